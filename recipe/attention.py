@@ -1,0 +1,128 @@
+"""Core attention for packed (THD) sequences, with zigzag context parallelism.
+
+megatron-core's local `DotProductAttention` refuses packed sequences and CP, so the `torch` backend
+plugs this module into the layer spec instead. Each sequence attends causally to itself only. Under
+CP a rank holds two zigzag chunks of every sequence: it all-gathers K and V over the CP group,
+puts them back in global order with the same zigzag index the data was sharded with, and masks on
+global positions. The trade-off is simplicity over memory: every rank holds the full K/V of the
+micro-batch (fine for a correctness tool; Transformer Engine's ring attention is the `te` backend).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+from recipe.cp_shard import zigzag_index
+from recipe.distributed import all_gather_with_sum_backward
+
+
+def _sequence_bounds(packed_seq_params) -> torch.Tensor:
+    """Global padded boundaries: the stream is laid out by them, and RoPE slices by them too."""
+    if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+        raise ValueError(
+            "the torch attention backend only supports packed THD batches "
+            "(packed_seq_params with qkv_format='thd')"
+        )
+    cu = packed_seq_params.cu_seqlens_q_padded
+    return packed_seq_params.cu_seqlens_q if cu is None else cu
+
+
+def varlen_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention within each sequence of a packed stream.
+
+    query: this rank's tokens `[t_local, heads, dim]` (zigzag order when cp_size > 1);
+    key/value: the FULL stream in global order `[t_global, groups, dim]`.
+    Returns `[t_local, heads * dim]`.
+    """
+    heads, groups = query.shape[1], key.shape[1]
+    if heads % groups:
+        raise ValueError(f"{heads} query heads cannot share {groups} key/value groups")
+    if heads != groups:
+        key = key.repeat_interleave(heads // groups, dim=1)
+        value = value.repeat_interleave(heads // groups, dim=1)
+    bounds = cu_seqlens_padded.tolist()
+    if cp_size > 1:
+        local_global_pos = zigzag_index(cu_seqlens_padded, cp_size, cp_rank).to(query.device)
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q_start, q_end = start // cp_size, end // cp_size
+        if q_end == q_start:
+            continue
+        # SDPA wants [heads, tokens, dim].
+        q = query[q_start:q_end].transpose(0, 1)
+        k = key[start:end].transpose(0, 1)
+        v = value[start:end].transpose(0, 1)
+        if cp_size == 1:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale)
+        else:
+            q_pos = local_global_pos[q_start:q_end] - start
+            k_pos = torch.arange(end - start, device=query.device)
+            mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale)
+        outputs.append(out.transpose(0, 1))
+    out = torch.cat(outputs, dim=0)
+    return out.reshape(out.shape[0], -1)
+
+
+def gather_global_stream(
+    local: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_group
+) -> torch.Tensor:
+    """All-gather a per-token tensor over CP and undo the zigzag (differentiable)."""
+    cp_size = torch.distributed.get_world_size(cp_group)
+    gathered = all_gather_with_sum_backward(local, cp_group)  # rank-major concatenation
+    order = torch.cat([zigzag_index(cu_seqlens_padded, cp_size, r) for r in range(cp_size)])
+    # order[j] is the global index of gathered row j; invert it to read rows in global order.
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return gathered.index_select(0, inverse.to(local.device))
+
+
+class PackedCausalAttention(MegatronModule):
+    """Drop-in `core_attention` for megatron-core's SelfAttention in THD mode (torch backend)."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type=None,
+        attention_type: str = "self",
+        cp_comm_type: str | None = None,
+        softmax_scale: float | None = None,
+        pg_collection=None,
+        **_unused,
+    ):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        cu_padded = _sequence_bounds(packed_seq_params)
+        cp_size, cp_rank = 1, 0
+        if self.cp_group is not None and torch.distributed.get_world_size(self.cp_group) > 1:
+            cp_size = torch.distributed.get_world_size(self.cp_group)
+            cp_rank = torch.distributed.get_rank(self.cp_group)
+            key = gather_global_stream(key, cu_padded, self.cp_group)
+            value = gather_global_stream(value, cu_padded, self.cp_group)
+        return varlen_causal_attention(
+            query, key, value, cu_padded, cp_size, cp_rank, self.softmax_scale
+        )

@@ -1,0 +1,344 @@
+"""Typed configuration: one dataclass per Hydra group, checked at start-up.
+
+The YAML files under `conf/` compose and sweep; these schemas (registered in Hydra's ConfigStore)
+reject unknown keys and wrong types, and each `__post_init__` rejects values that cannot work, with
+a message that names the field and what would be valid. `train.py` converts the composed config to
+these objects once; the code below it only sees typed values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the field and the fix."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _positive(name: str, value: int | float) -> None:
+    _require(value > 0, f"{name} must be > 0, got {value}")
+
+
+def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
+    _require(value in choices, f"{name}={value!r} is not valid; choose one of {', '.join(choices)}")
+
+
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+ATTENTION_BACKENDS = ("auto", "torch", "te")
+DATA_SOURCES = ("markov", "pydoc", "files")
+WANDB_MODES = ("disabled", "offline", "online")
+CP_PREPROCESS = ("index", "verl_fixed", "verl_legacy")
+
+
+@dataclass
+class ModelConfig:
+    """A megatron-core GPT. Vocabulary size comes from the tokenizer."""
+
+    name: str = "tiny"
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 128
+    """Model width; divisible by num_attention_heads."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int = 4
+    """Key/value heads (grouped-query attention); divides num_attention_heads."""
+    ffn_hidden_size: int = 512
+    """MLP inner width."""
+    position_embedding_type: str = "rope"
+    """rope | learned_absolute (learned_absolute makes a position_ids bug visible in the loss)."""
+    rotary_base: int = 10000
+    """RoPE base frequency."""
+    attention_backend: str = "auto"
+    """auto | torch (the recipe's varlen attention, CPU or GPU) | te (Transformer Engine, GPU)."""
+    init_method_std: float = 0.02
+    """Std of the normal weight initialisation."""
+    tie_embeddings: bool = False
+    """Share input embedding and output layer weights."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                     "ffn_hidden_size", "rotary_base"):
+            _positive(f"model.{name}", getattr(self, name))
+        _positive("model.init_method_std", self.init_method_std)
+        _require(
+            self.hidden_size % self.num_attention_heads == 0,
+            f"model.hidden_size={self.hidden_size} is not divisible by "
+            f"model.num_attention_heads={self.num_attention_heads}; pick a hidden size that is a "
+            "multiple of the head count",
+        )
+        _require(
+            self.num_attention_heads % self.num_query_groups == 0,
+            f"model.num_query_groups={self.num_query_groups} must divide "
+            f"model.num_attention_heads={self.num_attention_heads}",
+        )
+        head_dim = self.hidden_size // self.num_attention_heads
+        _require(
+            self.position_embedding_type != "rope" or head_dim % 2 == 0,
+            f"rope needs an even head dimension; hidden_size/num_attention_heads = {head_dim}",
+        )
+        _one_of("model.position_embedding_type", self.position_embedding_type,
+                POSITION_EMBEDDINGS)
+        _one_of("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+
+
+@dataclass
+class MarkovConfig:
+    """The generated default: documents from a seeded order-k Markov chain over a small alphabet."""
+
+    order: int = 2
+    """Context length k of the chain (>= 2 so that attention matters)."""
+    alphabet_size: int = 16
+    """Number of symbols; they are written as the letters a, b, c, ... so the text is readable."""
+    concentration: float = 0.1
+    """Dirichlet concentration of each context's next-symbol distribution: small = peaked."""
+    mean_doc_len: int = 400
+    """Mean document length in symbols; each context ends a document with rate ~1/mean."""
+    max_doc_len: int = 2000
+    """Documents still running at this length are cut (no end-of-text token then)."""
+    num_train_docs: int = 4000
+    num_eval_docs: int = 200
+
+    def __post_init__(self) -> None:
+        _require(self.order >= 2, f"data.markov.order must be >= 2 (attention must matter), "
+                 f"got {self.order}")
+        _require(2 <= self.alphabet_size <= 26,
+                 f"data.markov.alphabet_size must be in 2..26, got {self.alphabet_size}")
+        for name in ("concentration", "mean_doc_len", "max_doc_len", "num_train_docs",
+                     "num_eval_docs"):
+            _positive(f"data.markov.{name}", getattr(self, name))
+
+
+@dataclass
+class DataConfig:
+    """Where documents come from and how they become token sequences."""
+
+    source: str = "markov"
+    """markov (generated, no network) | pydoc (English text shipped with CPython) | files."""
+    seed: int = 1234
+    """Seeds generation, the train/eval split and the data order."""
+    max_seq_len: int = 2048
+    """Longest sequence in tokens (BOS/EOS included); longer documents are split, never dropped."""
+    eval_fraction: float = 0.05
+    """Share of documents held out for eval (pydoc, files); markov uses markov.num_eval_docs."""
+    max_eval_tokens: int = 65536
+    """Cap on eval tokens, to keep periodic eval cheap."""
+    path: str | None = None
+    """files: a `datasets.load_dataset` builder (json, parquet, text, csv) or a hub dataset name."""
+    name: str | None = None
+    """files: dataset configuration name, if the dataset has several."""
+    data_files: Any = None
+    """files: file path, glob, list, or dict of split -> files."""
+    split: str = "train"
+    """files: split to read."""
+    text_field: str = "text"
+    """files: column holding the text."""
+    markov: MarkovConfig = field(default_factory=MarkovConfig)
+
+    def __post_init__(self) -> None:
+        _one_of("data.source", self.source, DATA_SOURCES)
+        _require(self.max_seq_len >= 2, f"data.max_seq_len must be >= 2, got {self.max_seq_len}")
+        _require(0 < self.eval_fraction < 1,
+                 f"data.eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        _positive("data.max_eval_tokens", self.max_eval_tokens)
+        if self.source == "files":
+            _require(bool(self.path),
+                     "data=files needs data.path: a builder such as json, parquet, text or csv "
+                     "(with data.data_files=FILE), or a hub dataset name")
+
+
+@dataclass
+class BatchingConfig:
+    """Token-budget batching of whole sequences into packed THD micro-batches."""
+
+    tokens_per_step: int = 8192
+    """Real tokens per optimizer step (whole sequences, filled greedily up to this count)."""
+    max_tokens_per_rank: int = 4096
+    """Tokens one rank holds in a micro-batch after CP sharding, counted after alignment padding."""
+
+    def __post_init__(self) -> None:
+        _positive("batching.tokens_per_step", self.tokens_per_step)
+        _positive("batching.max_tokens_per_rank", self.max_tokens_per_rank)
+
+
+@dataclass
+class CPConfig:
+    """Context parallelism."""
+
+    size: int = 1
+    """Context-parallel ranks; each holds 2 zigzag chunks of every sequence."""
+    preprocess: str = "index"
+    """index (one zigzag index for every tensor) | verl_fixed | verl_legacy (pre-PR-6267 bug)."""
+
+    def __post_init__(self) -> None:
+        _positive("cp.size", self.size)
+        _one_of("cp.preprocess", self.preprocess, CP_PREPROCESS)
+
+
+@dataclass
+class ParallelConfig:
+    """Data and tensor parallel sizes; world size = tp * cp * dp."""
+
+    dp: int = 1
+    """Data-parallel replicas."""
+    tp: int = 1
+    """Tensor-parallel size (only 1 is supported by the recipe's layers for now)."""
+    max_world_size: int = 64
+    """Refuse to start more ranks than this on one machine (guards against typos)."""
+
+    def __post_init__(self) -> None:
+        _positive("parallel.dp", self.dp)
+        _require(self.tp == 1, f"parallel.tp={self.tp}: only tp=1 is supported for now")
+
+
+@dataclass
+class MTPConfig:
+    """Multi-token prediction head."""
+
+    enabled: bool = False
+    num_layers: int = 1
+    loss_scaling_factor: float = 0.1
+
+    def __post_init__(self) -> None:
+        _require(not self.enabled, "mtp=on is not available yet; use mtp=off")
+
+
+@dataclass
+class VisionConfig:
+    """Small vision-language mode."""
+
+    enabled: bool = False
+
+    def __post_init__(self) -> None:
+        _require(not self.enabled, "vision=on is not available yet; use vision=off")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay."""
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+
+    def __post_init__(self) -> None:
+        _positive("optim.lr", self.lr)
+        _require(0 <= self.min_lr <= self.lr,
+                 f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
+        _require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+                 f"optim.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        _require(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}")
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop."""
+
+    max_steps: int = 300
+    seed: int = 0
+    """Seeds the model weights."""
+    eval_every: int = 50
+    """Evaluate every this many steps and at the end (0: only at the end)."""
+    log_every: int = 1
+    """Console refresh interval in steps (metrics.jsonl gets every step)."""
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("trainer.max_steps", self.max_steps)
+        _require(self.eval_every >= 0, f"trainer.eval_every must be >= 0, got {self.eval_every}")
+        _positive("trainer.log_every", self.log_every)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    """disabled | offline (files in the run directory) | online."""
+    project: str = "cp-recipe"
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _one_of("logger.wandb.mode", self.mode, WANDB_MODES)
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    cp: CPConfig = field(default_factory=CPConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    output_dir: str | None = None
+    """Where outputs go; set from Hydra's run directory by train.py."""
+
+    def __post_init__(self) -> None:
+        alignment = self.alignment
+        aligned_max = math.ceil(self.data.max_seq_len / alignment) * alignment
+        _require(
+            self.batching.max_tokens_per_rank * self.cp.size >= aligned_max,
+            f"batching.max_tokens_per_rank={self.batching.max_tokens_per_rank} cannot hold one "
+            f"sequence of data.max_seq_len={self.data.max_seq_len} ({aligned_max} tokens after "
+            f"padding to a multiple of {alignment}, {aligned_max // self.cp.size} per rank at "
+            f"cp={self.cp.size}); raise the budget to at least {aligned_max // self.cp.size} or "
+            "lower data.max_seq_len",
+        )
+        _require(
+            self.batching.tokens_per_step >= self.data.max_seq_len,
+            f"batching.tokens_per_step={self.batching.tokens_per_step} is smaller than one "
+            f"sequence (data.max_seq_len={self.data.max_seq_len}); raise it or lower max_seq_len",
+        )
+        world = self.world_size
+        _require(
+            world <= self.parallel.max_world_size,
+            f"tp*cp*dp = {self.parallel.tp}*{self.cp.size}*{self.parallel.dp} = {world} ranks "
+            f"exceeds parallel.max_world_size={self.parallel.max_world_size}; lower cp or "
+            "parallel.dp, or raise parallel.max_world_size if this machine can hold them",
+        )
+
+    @property
+    def alignment(self) -> int:
+        """Each sequence is padded to a multiple of this: 2*cp*tp under CP (two zigzag chunks per
+        rank), tp otherwise."""
+        if self.cp.size > 1:
+            return 2 * self.cp.size * self.parallel.tp
+        return self.parallel.tp
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.tp * self.cp.size * self.parallel.dp
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra so YAML files are validated against them."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)

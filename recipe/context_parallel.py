@@ -1,0 +1,30 @@
+"""Turn a global packed micro-batch into one CP rank's micro-batch: the one place CP is applied.
+
+`index` (the recipe's way) selects this rank's tokens from every per-token tensor with one zigzag
+index, so positions, labels and masks stay aligned with the tokens by construction. `verl_fixed`
+and `verl_legacy` rebuild input_ids and position_ids per sequence with verl's formulas (after and
+before PR #6267) as reference variants; labels and the loss mask use the index in all three, so a
+difference between them can only come from the positions.
+"""
+
+from __future__ import annotations
+
+from recipe.cp_shard import shard_tensors, verl_preprocess, zigzag_index
+from recipe.packing import PackedBatch
+
+
+def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int, method: str = "index") -> PackedBatch:
+    """This rank's part of a global batch; cu_seqlens stay global, as megatron expects."""
+    if cp_size == 1:
+        return batch
+    index = zigzag_index(batch.cu_seqlens_padded, cp_size, cp_rank)
+    local = shard_tensors(batch.per_token(), index)
+    if method != "index":
+        starts = batch.cu_seqlens_padded[:-1].tolist()
+        lengths = batch.cu_seqlens.diff().tolist()
+        sequences = [batch.input_ids[s : s + n] for s, n in zip(starts, lengths)]
+        input_ids, position_ids = verl_preprocess(
+            sequences, batch.cu_seqlens_padded, cp_size, cp_rank, variant=method
+        )
+        local["input_ids"], local["position_ids"] = input_ids, position_ids
+    return batch.replace(**local)

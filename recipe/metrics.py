@@ -1,0 +1,125 @@
+"""Run outputs: metrics.jsonl (one line per optimizer step), summary.json, console, wandb.
+
+Only the main rank writes; every other rank gets a logger whose methods do nothing, so the training
+loop never branches on rank. wandb is optional at run time (`logger.wandb.mode=disabled`) and is
+always finished, even when training fails.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+FINAL_WINDOW = 10
+
+
+def _finite_or_none(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def summarize(history: list[dict], *, entropy_floor: float | None, baseline_loss: float | None,
+              wall_time_s: float) -> dict:
+    """The end-of-run numbers; `gap_closed` is the share of the learnable gap the model closed."""
+    last = history[-FINAL_WINDOW:]
+    final_lm = sum(h["lm_loss"] for h in last) / len(last) if last else None
+    evals = [h["eval_lm_loss"] for h in history if "eval_lm_loss" in h]
+    final_eval = evals[-1] if evals else None
+    gap_closed = None
+    if None not in (final_eval, entropy_floor, baseline_loss) and baseline_loss > entropy_floor:
+        gap_closed = (baseline_loss - final_eval) / (baseline_loss - entropy_floor)
+    summary = {
+        "final_lm_loss": final_lm,
+        "final_eval_lm_loss": final_eval,
+        "entropy_floor": entropy_floor,
+        "baseline_loss": baseline_loss,
+        "gap_closed": gap_closed,
+        "steps": len(history),
+        "wall_time_s": wall_time_s,
+    }
+    if history and "mtp_loss" in history[-1]:
+        summary["final_mtp_loss"] = sum(h["mtp_loss"] for h in last) / len(last)
+    return {k: _finite_or_none(v) for k, v in summary.items()}
+
+
+class NullLogger:
+    """What ranks other than the main one get."""
+
+    def log_step(self, metrics: dict) -> None:
+        pass
+
+    def log_summary(self, summary: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RunLogger(NullLogger):
+    def __init__(self, cfg, output_dir: str | None, total_steps: int):
+        self.output_dir = Path(output_dir) if output_dir else None
+        self._metrics = None
+        if self.output_dir is not None:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self._metrics = open(self.output_dir / METRICS_FILE, "w")  # noqa: SIM115
+        self._bar = None
+        if cfg.trainer.progress_bar:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+        self._log_every = cfg.trainer.log_every
+        self._wandb = self._start_wandb(cfg)
+
+    def _start_wandb(self, cfg):
+        wcfg = cfg.logger.wandb
+        if wcfg.mode == "disabled":
+            return None
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        run_dir = str(self.output_dir) if self.output_dir else None
+        return wandb.init(mode=wcfg.mode, project=wcfg.project, group=wcfg.group,
+                          tags=list(wcfg.tags) or None, dir=run_dir, config=asdict(cfg),
+                          reinit="finish_previous")
+
+    def log_step(self, metrics: dict) -> None:
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(metrics) + "\n")
+            self._metrics.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in metrics.items() if k != "step"},
+                            step=metrics["step"])
+        if self._bar is not None:
+            self._bar.update(1)
+            if metrics["step"] % self._log_every == 0 or "eval_lm_loss" in metrics:
+                postfix = {"loss": f"{metrics['loss']:.4f}",
+                           "tok/s": f"{metrics['tokens_per_s']:.0f}"}
+                if "eval_lm_loss" in metrics:
+                    postfix["eval"] = f"{metrics['eval_lm_loss']:.4f}"
+                self._bar.set_postfix(postfix)
+
+    def log_summary(self, summary: dict) -> None:
+        if self.output_dir is not None:
+            (self.output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        if self._wandb is not None:
+            self._wandb.summary.update({k: v for k, v in summary.items() if v is not None})
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

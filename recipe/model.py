@@ -1,0 +1,103 @@
+"""Build a megatron-core GPTModel for packed sequences, with the recipe's attention plugged in.
+
+The layer spec is megatron-core's own local spec (RMSNorm, SwiGLU-free MLP) with one change: core
+attention is replaced by the recipe's varlen attention (`torch` backend) or Transformer Engine's
+(`te` backend, GPU only). Weights are created on the CPU in fp32 from `torch.manual_seed`, so every
+CP rank starts from identical weights and runs at different cp are comparable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def resolve_attention_backend(name: str) -> str:
+    """`auto` means Transformer Engine when CUDA and TE are present, else the recipe's own."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            try:
+                import transformer_engine  # noqa: F401
+
+                return "te"
+            except ImportError:
+                return "torch"
+        return "torch"
+    if name == "te" and not torch.cuda.is_available():
+        raise ValueError(
+            "model.attention_backend=te needs CUDA and transformer-engine; on CPU use "
+            "model.attention_backend=torch (or auto)"
+        )
+    return name
+
+
+def build_transformer_config(model_cfg, *, cp_size: int = 1, tp_size: int = 1):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    use_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=model_cfg.num_layers,
+        hidden_size=model_cfg.hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_query_groups=model_cfg.num_query_groups,
+        ffn_hidden_size=model_cfg.ffn_hidden_size,
+        normalization="RMSNorm",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        add_bias_linear=False,
+        init_method_std=model_cfg.init_method_std,
+        tensor_model_parallel_size=tp_size,
+        context_parallel_size=cp_size,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        bf16=False,
+        # Per-token losses summed over the step and divided once by the global count make the
+        # result independent of how a step is cut into micro-batches and ranks.
+        calculate_per_token_loss=True,
+        deterministic_mode=not use_gpu,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+    )
+
+
+def build_layer_spec(backend: str):
+    if backend == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from recipe.attention import PackedCausalAttention
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedCausalAttention
+    return spec
+
+
+def build_gpt_model(model_cfg, *, vocab_size: int, max_sequence_length: int, seed: int,
+                    cp_size: int = 1, tp_size: int = 1):
+    """A GPTModel with identical initial weights on every rank that shares `seed`."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    backend = resolve_attention_backend(model_cfg.attention_backend)
+    config = build_transformer_config(model_cfg, cp_size=cp_size, tp_size=tp_size)
+    torch.manual_seed(seed)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=build_layer_spec(backend),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model_cfg.tie_embeddings,
+        position_embedding_type=model_cfg.position_embedding_type,
+        rotary_base=model_cfg.rotary_base,
+    )
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return model

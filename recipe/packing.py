@@ -1,0 +1,110 @@
+"""Pack whole sequences into one THD stream with every per-token tensor built globally.
+
+Positions, labels and the loss mask are computed once on the global stream; context parallelism
+later selects each rank's tokens from all of them with a single index, which keeps them consistent
+by construction. Each sequence is padded at its end to a multiple of the alignment; padding is
+masked out of the loss and attends only causally after the real tokens, so it changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from recipe.batching import aligned_length
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor
+    """[T] token ids, T = cu_seqlens_padded[-1] (or T / cp after sharding)."""
+    position_ids: torch.Tensor
+    """[T] position within the sequence, restarting at 0 per sequence and counting on through
+    padding (the positions RoPE derives from padded offsets)."""
+    labels: torch.Tensor
+    """[T] next token within the same sequence (pad id where there is none)."""
+    loss_mask: torch.Tensor
+    """[T] float, 1 where a label is predicted: 0 on each sequence's last real token and padding."""
+    cu_seqlens: torch.Tensor
+    """[n+1] int32 cumulative real lengths (global, also after sharding)."""
+    cu_seqlens_padded: torch.Tensor
+    """[n+1] int32 cumulative padded lengths (global, also after sharding)."""
+    max_seqlen: int
+    """Longest padded sequence (global)."""
+
+    PER_TOKEN = ("input_ids", "position_ids", "labels", "loss_mask")
+
+    @property
+    def num_sequences(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    def per_token(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.PER_TOKEN}
+
+    def replace(self, **changes) -> PackedBatch:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return PackedBatch(**values)
+
+
+def _cumulative(lengths: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
+    return out
+
+
+def pack_sequences(sequences: list[list[int]], alignment: int, pad_id: int) -> PackedBatch:
+    """Pack whole sequences into one padded THD stream."""
+    if not sequences:
+        raise ValueError("cannot pack an empty list of sequences")
+    lengths = [len(s) for s in sequences]
+    padded = [aligned_length(n, alignment) for n in lengths]
+    cu_padded = _cumulative(padded)
+    total = int(cu_padded[-1])
+    starts = cu_padded[:-1].to(torch.int64)
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
+    padded_t = torch.tensor(padded, dtype=torch.int64)
+
+    seq_of_token = torch.repeat_interleave(torch.arange(len(sequences)), padded_t)
+    position_ids = torch.arange(total) - starts[seq_of_token]
+    is_real = position_ids < lengths_t[seq_of_token]
+
+    input_ids = torch.full((total,), pad_id, dtype=torch.int64)
+    input_ids[is_real] = torch.tensor([t for s in sequences for t in s], dtype=torch.int64)
+
+    has_label = position_ids < (lengths_t - 1)[seq_of_token]
+    labels = torch.full((total,), pad_id, dtype=torch.int64)
+    next_index = torch.arange(total) + 1
+    labels[has_label] = input_ids[next_index[has_label]]
+
+    return PackedBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        labels=labels,
+        loss_mask=has_label.to(torch.float32),
+        cu_seqlens=_cumulative(lengths),
+        cu_seqlens_padded=cu_padded,
+        max_seqlen=max(padded),
+    )
+
+
+def packed_seq_params(batch: PackedBatch):
+    """megatron's PackedSeqParams. Attention and RoPE lay sequences out by the padded global
+    boundaries, so those go in the *_padded fields and (for the MTP roll) in cu_seqlens_q too."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = batch.cu_seqlens_padded
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=batch.max_seqlen,
+        max_seqlen_kv=batch.max_seqlen,
+    )

@@ -1,0 +1,215 @@
+"""The training loop: one optimizer step = the same global tokens whatever the parallel layout.
+
+Each step's whole sequences are split across data-parallel ranks, packed into budgeted THD
+micro-batches, sharded for CP at one point, and run forward/backward with per-token loss sums
+divided by the step's GLOBAL count of predicted tokens. Gradients are then summed over
+data-parallel x context-parallel ranks, which makes the update exactly the cp=1, dp=1 update.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from recipe import distributed
+from recipe.batching import (
+    StepStream,
+    aligned_length,
+    chunk_for_eval,
+    plan_micro_batches,
+    split_across_ranks,
+)
+from recipe.config import TrainConfig
+from recipe.context_parallel import shard_batch
+from recipe.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+from recipe.data import load_corpus
+from recipe.metrics import NullLogger, RunLogger, summarize
+from recipe.packing import PackedBatch, pack_sequences, packed_seq_params
+
+
+@dataclass
+class StepWork:
+    """What this rank computes for one step (or one eval chunk)."""
+
+    micro_batches: list[PackedBatch]
+    """Already sharded for this CP rank, moved to the model's device."""
+    global_predicted_tokens: int
+    """Loss-masked tokens of the whole step over all ranks: the loss normaliser."""
+    global_real_tokens: int
+    global_padded_tokens: int
+    global_micro_batches: int
+
+
+def plan_step(sequences: list[list[int]], cfg: TrainConfig, layout, pad_id: int,
+              device: torch.device) -> StepWork:
+    """Split a step across DP ranks, into micro-batches, and shard each for this CP rank."""
+    lengths = [len(s) for s in sequences]
+    alignment = cfg.alignment
+    per_rank = split_across_ranks(lengths, layout.dp_size, alignment)
+    plans = [
+        plan_micro_batches([lengths[i] for i in ids], alignment, layout.cp_size,
+                           cfg.batching.max_tokens_per_rank)
+        for ids in per_rank
+    ]
+    mine = per_rank[layout.dp_rank]
+    micro_batches = []
+    for micro in plans[layout.dp_rank]:
+        batch = pack_sequences([sequences[mine[j]] for j in micro], alignment, pad_id)
+        local = shard_batch(batch, layout.cp_size, layout.cp_rank, cfg.cp.preprocess)
+        micro_batches.append(local.replace(**{k: v.to(device) for k, v in local.per_token().items()}))
+    return StepWork(
+        micro_batches=micro_batches,
+        global_predicted_tokens=sum(n - 1 for n in lengths),
+        global_real_tokens=sum(lengths),
+        global_padded_tokens=sum(aligned_length(n, alignment) for n in lengths),
+        global_micro_batches=sum(len(p) for p in plans),
+    )
+
+
+def forward_loss_sum(model, batch: PackedBatch) -> torch.Tensor:
+    """Sum of this rank's masked per-token losses for one micro-batch."""
+    per_token = model(
+        input_ids=batch.input_ids.unsqueeze(0),
+        position_ids=batch.position_ids.unsqueeze(0),
+        attention_mask=None,
+        labels=batch.labels.unsqueeze(0),
+        packed_seq_params=packed_seq_params(batch),
+    )
+    return (per_token.squeeze(0).float() * batch.loss_mask).sum()
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to optim.lr, then cosine decay to optim.min_lr at trainer.max_steps."""
+    o, total = cfg.optim, cfg.trainer.max_steps
+    if o.warmup_steps and step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; norms and biases (1-D parameters) get no weight decay."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    o = cfg.optim
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+    )
+
+
+def _grad_norm(parameters, clip: float) -> float:
+    params = [p for p in parameters if p.grad is not None]
+    if clip > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, clip))
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+
+
+@torch.no_grad()
+def evaluate(model, chunks: list[StepWork], group) -> float:
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for work in chunks:
+        for batch in work.micro_batches:
+            loss_sum += forward_loss_sum(model, batch).double().cpu()
+    model.train()
+    distributed.all_reduce_sum(loss_sum, group)
+    return float(loss_sum) / sum(w.global_predicted_tokens for w in chunks)
+
+
+def _set_threads(local_world: int) -> None:
+    """Ranks of one machine share its cores instead of each grabbing all of them."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train one model; returns {"summary": ..., "history": [per-step metrics]} on every rank."""
+    apply_cpu_compat()
+    owns_world = not torch.distributed.is_initialized()
+    layout = distributed.init_distributed(tp_size=cfg.parallel.tp, cp_size=cfg.cp.size)
+    logger = NullLogger()
+    try:
+        _set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)))
+        if layout.world_size != cfg.world_size:
+            raise ValueError(f"this process group has {layout.world_size} ranks but the config asks "
+                             f"for tp*cp*dp = {cfg.world_size}")
+        seed_model_parallel_rng(cfg.trainer.seed)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+        corpus = load_corpus(cfg.data)
+        pad_id = corpus.tokenizer.pad_id
+        model = build_model(cfg, corpus.tokenizer.vocab_size)
+        optimizer = build_optimizer(model, cfg)
+        grad_group = distributed.gradient_group()
+        eval_chunks = [plan_step(c, cfg, layout, pad_id, device)
+                       for c in chunk_for_eval(corpus.eval, cfg.batching.tokens_per_step)]
+        if layout.is_main:
+            logger = RunLogger(cfg, cfg.output_dir, cfg.trainer.max_steps)
+
+        history: list[dict] = []
+        steps = iter(StepStream(corpus.train, cfg.batching.tokens_per_step, cfg.data.seed))
+        loop_start = time.perf_counter()
+        for step in range(1, cfg.trainer.max_steps + 1):
+            step_start = time.perf_counter()
+            work = plan_step(next(steps), cfg, layout, pad_id, device)
+            lr = lr_at(step - 1, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for batch in work.micro_batches:
+                local_sum = forward_loss_sum(model, batch)
+                (local_sum / work.global_predicted_tokens).backward()
+                loss_sum += local_sum.detach().double().cpu()
+            distributed.all_reduce_gradients(model.parameters(), grad_group)
+            grad_norm = _grad_norm(model.parameters(), cfg.optim.grad_clip)
+            optimizer.step()
+            distributed.all_reduce_sum(loss_sum, grad_group)
+            lm_loss = float(loss_sum) / work.global_predicted_tokens
+            step_time = time.perf_counter() - step_start
+            metrics = {
+                "step": step,
+                "lm_loss": lm_loss,
+                "loss": lm_loss,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "tokens": work.global_real_tokens,
+                "padded_tokens": work.global_padded_tokens,
+                "micro_batches": work.global_micro_batches,
+                "step_time_s": step_time,
+                "tokens_per_s": work.global_real_tokens / step_time,
+            }
+            every = cfg.trainer.eval_every
+            if step == cfg.trainer.max_steps or (every and step % every == 0):
+                metrics["eval_lm_loss"] = evaluate(model, eval_chunks, grad_group)
+            history.append(metrics)
+            logger.log_step(metrics)
+        wall = time.perf_counter() - loop_start
+        summary = summarize(history, entropy_floor=corpus.entropy_floor,
+                            baseline_loss=corpus.baseline_loss, wall_time_s=wall)
+        logger.log_summary(summary)
+        return {"summary": summary, "history": history}
+    finally:
+        logger.close()
+        if owns_world:
+            distributed.shutdown_distributed()
+
+
+def build_model(cfg: TrainConfig, vocab_size: int):
+    from recipe.model import build_gpt_model
+
+    return build_gpt_model(
+        cfg.model,
+        vocab_size=vocab_size,
+        max_sequence_length=aligned_length(cfg.data.max_seq_len, cfg.alignment),
+        seed=cfg.trainer.seed,
+        cp_size=cfg.cp.size,
+        tp_size=cfg.parallel.tp,
+    )

@@ -1,0 +1,60 @@
+"""Shared fixtures: compose the real Hydra config, then shrink it so tests run in seconds."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from recipe.config import register_configs
+from recipe.launch import to_typed
+from recipe.overrides import quote_numeric_group_choices
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+# Tiny model and data: real code paths, seconds per run.
+TINY = [
+    "model.num_layers=1",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=64",
+    "data.max_seq_len=256",
+    "data.markov.mean_doc_len=60",
+    "data.markov.max_doc_len=200",
+    "data.markov.num_train_docs=300",
+    "data.markov.num_eval_docs=20",
+    "data.max_eval_tokens=2048",
+    "batching.tokens_per_step=1024",
+    "batching.max_tokens_per_rank=512",
+    "trainer.max_steps=4",
+    "trainer.eval_every=0",
+    "trainer.progress_bar=false",
+    "optim.warmup_steps=2",
+    "logger.wandb.mode=disabled",
+]
+
+
+def compose_config(overrides: list[str] | None = None, tiny: bool = True):
+    """The composed DictConfig, exactly as `python train.py OVERRIDES` would see it."""
+    register_configs()
+    args = (TINY if tiny else []) + list(overrides or [])
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("train", overrides=quote_numeric_group_choices(args))
+
+
+def typed_config(overrides: list[str] | None = None, tiny: bool = True, output_dir=None):
+    cfg = to_typed(compose_config(overrides, tiny))
+    cfg.output_dir = None if output_dir is None else str(output_dir)
+    return cfg
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_rank_env(monkeypatch):
+    """A test process is a lone rank unless a test says otherwise."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_MODE", os.environ.get("WANDB_MODE", "disabled"))

@@ -1,0 +1,103 @@
+"""Every option of every group composes; bad values fail at start-up naming field and fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+
+from recipe.config import ConfigError, TrainConfig
+from recipe.overrides import quote_numeric_group_choices
+from tests.conftest import CONF_DIR, typed_config
+
+GROUPS = ["model", "data", "cp", "mtp", "vision", "optim", "trainer", "logger"]
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    "group,option", [(g, o) for g in GROUPS for o in _options(g)], ids=lambda v: str(v)
+)
+def test_every_option_of_every_group_composes(group, option):
+    overrides = [f"{group}={option}"]
+    if group == "data" and option == "files":
+        overrides.append("data.path=json")  # files needs a path; everything else is default
+    cfg = typed_config(overrides, tiny=False)
+    assert isinstance(cfg, TrainConfig)
+    if group == "model":
+        assert cfg.model.name == option
+
+
+def test_each_group_has_at_least_one_option():
+    for group in GROUPS:
+        assert _options(group), f"conf/{group}/ has no options"
+
+
+def test_default_is_the_documented_one():
+    cfg = typed_config(tiny=False)
+    assert cfg.data.source == "markov"
+    assert (cfg.cp.size, cfg.mtp.enabled, cfg.vision.enabled) == (1, False, False)
+    assert cfg.logger.wandb.mode == "offline"
+
+
+@pytest.mark.parametrize(
+    "override,fragments",
+    [
+        ("model.hidden_size=130", ["model.hidden_size=130", "num_attention_heads"]),
+        ("model.num_query_groups=3", ["model.num_query_groups=3", "divide"]),
+        ("model.num_layers=0", ["model.num_layers", "> 0"]),
+        ("model.position_embedding_type=alibi", ["alibi", "rope", "learned_absolute"]),
+        ("model.attention_backend=flash", ["model.attention_backend", "torch", "te"]),
+        ("data.source=web", ["data.source", "markov", "pydoc", "files"]),
+        ("data.markov.order=1", ["data.markov.order", ">= 2"]),
+        ("batching.max_tokens_per_rank=100", ["batching.max_tokens_per_rank=100",
+                                              "data.max_seq_len"]),
+        ("batching.tokens_per_step=10", ["batching.tokens_per_step=10", "max_seq_len"]),
+        ("batching.tokens_per_step=-5", ["batching.tokens_per_step", "> 0"]),
+        ("optim.lr=0", ["optim.lr"]),
+        ("optim.min_lr=1.0", ["optim.min_lr"]),
+        ("trainer.max_steps=0", ["trainer.max_steps"]),
+        ("logger.wandb.mode=cloud", ["logger.wandb.mode", "offline"]),
+        ("cp.preprocess=magic", ["cp.preprocess", "index", "verl_legacy"]),
+        ("parallel.dp=0", ["parallel.dp"]),
+        ("parallel.max_world_size=0", ["max_world_size"]),
+    ],
+)
+def test_bad_values_fail_with_a_message_naming_field_and_fix(override, fragments):
+    with pytest.raises(ConfigError) as info:
+        typed_config([override], tiny=True)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_data_files_without_a_path_is_rejected():
+    with pytest.raises(ConfigError, match="data.path"):
+        typed_config(["data=files"], tiny=False)
+
+
+@pytest.mark.parametrize("override", ["model.no_such_field=1", "cp=3", "model=huge"])
+def test_unknown_keys_and_options_are_rejected(override):
+    with pytest.raises((ConfigCompositionException, MissingConfigException)):
+        typed_config([override])
+
+
+def test_wrong_type_is_rejected():
+    with pytest.raises(Exception, match="hidden_size"):
+        typed_config(["model.hidden_size=wide"])
+
+
+def test_numeric_group_choices_are_quoted_for_hydra():
+    assert quote_numeric_group_choices(["cp=2", "mtp=off", "model.hidden_size=64"]) == [
+        "cp='2'", "mtp=off", "model.hidden_size=64"]
+    assert quote_numeric_group_choices(["cp=1,2,4"]) == ["cp='1','2','4'"]
+    assert quote_numeric_group_choices(["cp.size=2"]) == ["cp.size=2"]
+
+
+def test_alignment_is_2_cp_tp_under_cp_and_tp_otherwise():
+    cfg = typed_config()
+    assert cfg.alignment == 1
+    cfg.cp.size = 2
+    assert cfg.alignment == 4

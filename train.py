@@ -1,0 +1,26 @@
+"""Entry point: `python train.py [overrides]`, e.g. `python train.py cp=2 trainer.max_steps=50`.
+
+Thin by design: compose and validate the config, then hand a typed config to recipe's `run`.
+"""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from recipe.config import register_configs
+from recipe.overrides import quote_numeric_group_choices
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    from recipe.launch import run
+
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.argv[1:] = quote_numeric_group_choices(sys.argv[1:])
+    main()
