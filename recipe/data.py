@@ -72,6 +72,8 @@ def _file_documents(cfg: DataConfig) -> list[str]:
     except FileNotFoundError as err:
         raise ConfigError(f"cannot read {where}: {err}. Check the path (relative paths are taken "
                           "from the directory you started in)") from err
+    except StopIteration as err:  # the json builder's way of saying "no rows"
+        raise ConfigError(f"{where} is empty: no rows to read") from err
     except ValueError as err:
         raise ConfigError(f"cannot load {where} split {cfg.split!r}: {err}") from err
     except Exception as err:  # connection errors, unknown builders: say what was asked for
