@@ -44,13 +44,13 @@ class ModelConfig:
     name: str = "tiny"
     num_layers: int = 2
     """Transformer layers."""
-    hidden_size: int = 128
+    hidden_size: int = 64
     """Model width; divisible by num_attention_heads."""
-    num_attention_heads: int = 4
+    num_attention_heads: int = 2
     """Query heads."""
-    num_query_groups: int = 4
+    num_query_groups: int = 2
     """Key/value heads (grouped-query attention); divides num_attention_heads."""
-    ffn_hidden_size: int = 512
+    ffn_hidden_size: int = 256
     """MLP inner width."""
     position_embedding_type: str = "rope"
     """rope | learned_absolute (learned_absolute makes a position_ids bug visible in the loss)."""
@@ -128,7 +128,7 @@ class DataConfig:
     """Longest sequence in tokens (BOS/EOS included); longer documents are split, never dropped."""
     eval_fraction: float = 0.05
     """Share of documents held out for eval (pydoc, files); markov uses markov.num_eval_docs."""
-    max_eval_tokens: int = 65536
+    max_eval_tokens: int = 32768
     """Cap on eval tokens, to keep periodic eval cheap."""
     path: str | None = None
     """files: a `datasets.load_dataset` builder (json, parquet, text, csv) or a hub dataset name."""
@@ -158,7 +158,7 @@ class DataConfig:
 class BatchingConfig:
     """Token-budget batching of whole sequences into packed THD micro-batches."""
 
-    tokens_per_step: int = 8192
+    tokens_per_step: int = 4096
     """Real tokens per optimizer step (whole sequences, filled greedily up to this count)."""
     max_tokens_per_rank: int = 4096
     """Tokens one rank holds in a micro-batch after CP sharding, counted after alignment padding."""
@@ -224,7 +224,7 @@ class VisionConfig:
 class OptimConfig:
     """AdamW with linear warmup and cosine decay."""
 
-    lr: float = 3e-3
+    lr: float = 6e-3
     min_lr: float = 3e-4
     """Learning rate at the end of the cosine decay."""
     weight_decay: float = 0.01
@@ -250,10 +250,10 @@ class OptimConfig:
 class TrainerConfig:
     """The training loop."""
 
-    max_steps: int = 300
+    max_steps: int = 500
     seed: int = 0
     """Seeds the model weights."""
-    eval_every: int = 50
+    eval_every: int = 100
     """Evaluate every this many steps and at the end (0: only at the end)."""
     log_every: int = 1
     """Console refresh interval in steps (metrics.jsonl gets every step)."""
