@@ -42,8 +42,9 @@ def split_across_ranks(lengths: list[int], dp_size: int, alignment: int) -> list
     return _longest_first([aligned_length(n, alignment) for n in lengths], dp_size)
 
 
-def plan_micro_batches(lengths: list[int], alignment: int, cp_size: int,
-                       max_tokens_per_rank: int) -> list[list[int]]:
+def plan_micro_batches(
+    lengths: list[int], alignment: int, cp_size: int, max_tokens_per_rank: int
+) -> list[list[int]]:
     """Fewest balanced micro-batches (lists of sequence indices) under the per-rank budget."""
     padded = [aligned_length(n, alignment) for n in lengths]
     capacity = max_tokens_per_rank * cp_size  # global padded tokens that fit on cp ranks
@@ -82,8 +83,9 @@ class StepStream:
     def __init__(self, sequences: list[list[int]], tokens_per_step: int, seed: int):
         longest = max(len(s) for s in sequences)
         if longest > tokens_per_step:
-            raise ValueError(f"a sequence of {longest} tokens exceeds batching.tokens_per_step="
-                             f"{tokens_per_step}")
+            raise ValueError(
+                f"a sequence of {longest} tokens exceeds batching.tokens_per_step={tokens_per_step}"
+            )
         self.sequences = sequences
         self.tokens_per_step = tokens_per_step
         self.seed = seed

@@ -64,8 +64,14 @@ class ModelConfig:
     """Share input embedding and output layer weights."""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                     "ffn_hidden_size", "rotary_base"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "ffn_hidden_size",
+            "rotary_base",
+        ):
             _positive(f"model.{name}", getattr(self, name))
         _positive("model.init_method_std", self.init_method_std)
         _require(
@@ -84,8 +90,7 @@ class ModelConfig:
             self.position_embedding_type != "rope" or head_dim % 2 == 0,
             f"rope needs an even head dimension; hidden_size/num_attention_heads = {head_dim}",
         )
-        _one_of("model.position_embedding_type", self.position_embedding_type,
-                POSITION_EMBEDDINGS)
+        _one_of("model.position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
         _one_of("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
 
 
@@ -107,12 +112,21 @@ class MarkovConfig:
     num_eval_docs: int = 200
 
     def __post_init__(self) -> None:
-        _require(self.order >= 2, f"data.markov.order must be >= 2 (attention must matter), "
-                 f"got {self.order}")
-        _require(2 <= self.alphabet_size <= 26,
-                 f"data.markov.alphabet_size must be in 2..26, got {self.alphabet_size}")
-        for name in ("concentration", "mean_doc_len", "max_doc_len", "num_train_docs",
-                     "num_eval_docs"):
+        _require(
+            self.order >= 2,
+            f"data.markov.order must be >= 2 (attention must matter), got {self.order}",
+        )
+        _require(
+            2 <= self.alphabet_size <= 26,
+            f"data.markov.alphabet_size must be in 2..26, got {self.alphabet_size}",
+        )
+        for name in (
+            "concentration",
+            "mean_doc_len",
+            "max_doc_len",
+            "num_train_docs",
+            "num_eval_docs",
+        ):
             _positive(f"data.markov.{name}", getattr(self, name))
 
 
@@ -145,13 +159,17 @@ class DataConfig:
     def __post_init__(self) -> None:
         _one_of("data.source", self.source, DATA_SOURCES)
         _require(self.max_seq_len >= 2, f"data.max_seq_len must be >= 2, got {self.max_seq_len}")
-        _require(0 < self.eval_fraction < 1,
-                 f"data.eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        _require(
+            0 < self.eval_fraction < 1,
+            f"data.eval_fraction must be in (0, 1), got {self.eval_fraction}",
+        )
         _positive("data.max_eval_tokens", self.max_eval_tokens)
         if self.source == "files":
-            _require(bool(self.path),
-                     "data=files needs data.path: a builder such as json, parquet, text or csv "
-                     "(with data.data_files=FILE), or a hub dataset name")
+            _require(
+                bool(self.path),
+                "data=files needs data.path: a builder such as json, parquet, text or csv "
+                "(with data.data_files=FILE), or a hub dataset name",
+            )
 
 
 @dataclass
@@ -237,12 +255,20 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _positive("optim.lr", self.lr)
-        _require(0 <= self.min_lr <= self.lr,
-                 f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}")
-        _require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
-        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
-                 f"optim.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
-        _require(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _require(
+            0 <= self.min_lr <= self.lr,
+            f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}",
+        )
+        _require(
+            self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}"
+        )
+        _require(
+            0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+            f"optim.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}",
+        )
+        _require(
+            self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}"
+        )
         _require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}")
 
 

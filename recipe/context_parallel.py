@@ -13,7 +13,9 @@ from recipe.cp_shard import shard_tensors, verl_preprocess, zigzag_index
 from recipe.packing import PackedBatch
 
 
-def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int, method: str = "index") -> PackedBatch:
+def shard_batch(
+    batch: PackedBatch, cp_size: int, cp_rank: int, method: str = "index"
+) -> PackedBatch:
     """This rank's part of a global batch; cu_seqlens stay global, as megatron expects."""
     if cp_size == 1:
         return batch

@@ -33,8 +33,9 @@ class Corpus:
 
 def _markov_documents(cfg: DataConfig) -> tuple[list[str], list[str], MarkovChain]:
     m = cfg.markov
-    chain = MarkovChain.create(m.order, m.alphabet_size, m.concentration, m.mean_doc_len,
-                               m.max_doc_len, seed=cfg.seed)
+    chain = MarkovChain.create(
+        m.order, m.alphabet_size, m.concentration, m.mean_doc_len, m.max_doc_len, seed=cfg.seed
+    )
     train = chain.sample_documents(m.num_train_docs, seed=cfg.seed + 1)
     eval_ = chain.sample_documents(m.num_eval_docs, seed=cfg.seed + 2)
     return train, eval_, chain
@@ -53,8 +54,9 @@ def _texts_from_dataset(dataset, text_field: str, where: str) -> list[str]:
 
 
 def _pydoc_documents() -> list[str]:
-    import datasets
     from pydoc_data.topics import topics
+
+    import datasets
 
     names = sorted(topics)
     dataset = datasets.Dataset.from_dict({"topic": names, "text": [topics[n] for n in names]})
@@ -64,14 +66,18 @@ def _pydoc_documents() -> list[str]:
 def _file_documents(cfg: DataConfig) -> list[str]:
     import datasets
 
-    where = f"data.path={cfg.path!r}" + (f" data.data_files={cfg.data_files!r}"
-                                         if cfg.data_files else "")
+    where = f"data.path={cfg.path!r}" + (
+        f" data.data_files={cfg.data_files!r}" if cfg.data_files else ""
+    )
     try:
-        dataset = datasets.load_dataset(cfg.path, name=cfg.name, data_files=cfg.data_files,
-                                        split=cfg.split)
+        dataset = datasets.load_dataset(
+            cfg.path, name=cfg.name, data_files=cfg.data_files, split=cfg.split
+        )
     except FileNotFoundError as err:
-        raise ConfigError(f"cannot read {where}: {err}. Check the path (relative paths are taken "
-                          "from the directory you started in)") from err
+        raise ConfigError(
+            f"cannot read {where}: {err}. Check the path (relative paths are taken "
+            "from the directory you started in)"
+        ) from err
     except StopIteration as err:  # the json builder's way of saying "no rows"
         raise ConfigError(f"{where} is empty: no rows to read") from err
     except ValueError as err:
@@ -83,7 +89,9 @@ def _file_documents(cfg: DataConfig) -> list[str]:
     return _texts_from_dataset(dataset, cfg.text_field, where)
 
 
-def split_documents(docs: list[str], eval_fraction: float, seed: int) -> tuple[list[str], list[str]]:
+def split_documents(
+    docs: list[str], eval_fraction: float, seed: int
+) -> tuple[list[str], list[str]]:
     """Hold out a seeded random share of documents (at least one each side)."""
     if len(docs) < 2:
         raise ConfigError(f"need at least 2 documents to hold one out for eval, got {len(docs)}")
@@ -138,12 +146,17 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     train = tokenize(train_docs, tokenizer, cfg.max_seq_len)
     eval_ = cap_tokens(tokenize(eval_docs, tokenizer, cfg.max_seq_len), cfg.max_eval_tokens)
     if not train or not eval_:
-        raise ConfigError(f"data source {cfg.source!r} gave no trainable sequences "
-                          f"({len(train)} train, {len(eval_)} eval)")
+        raise ConfigError(
+            f"data source {cfg.source!r} gave no trainable sequences "
+            f"({len(train)} train, {len(eval_)} eval)"
+        )
     floor = None
     if chain is not None:
-        log_probs = np.concatenate([
-            chain.token_log_probs(np.asarray(s), tokenizer.bos_id, tokenizer.eos_id) for s in eval_
-        ])
+        log_probs = np.concatenate(
+            [
+                chain.token_log_probs(np.asarray(s), tokenizer.bos_id, tokenizer.eos_id)
+                for s in eval_
+            ]
+        )
         floor = float(-log_probs.mean())
     return Corpus(train, eval_, tokenizer, floor, unigram_entropy(eval_))

@@ -38,7 +38,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_distributed(tp_size: int = 1, cp_size: int = 1, timeout_minutes: int = 5) -> ParallelLayout:
+def init_distributed(
+    tp_size: int = 1, cp_size: int = 1, timeout_minutes: int = 5
+) -> ParallelLayout:
     """Join (or create, for a lone process) the process group and megatron's parallel state.
 
     Reads RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as set by torchrun or the recipe's own launcher;
@@ -50,8 +52,11 @@ def init_distributed(tp_size: int = 1, cp_size: int = 1, timeout_minutes: int = 
 
     if "RANK" not in os.environ:
         os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
         )
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -126,7 +131,7 @@ def all_reduce_gradients(parameters, group) -> None:
 
 
 class _AllGatherSumBackward(torch.autograd.Function):
-    """All-gather along dim 0; backward sums the gradient over the group and keeps this rank's slice.
+    """All-gather along dim 0; backward sums the gradient over the group, keeps this rank's slice.
 
     Written with plain collectives on an explicit group because `torch.distributed.nn`'s all_gather
     misbehaves on sub-groups (dp > 1).

@@ -5,7 +5,7 @@ sequences is computable exactly. The chain emits one of `alphabet_size` symbols 
 letters a, b, c, ...) or END (written as '.') from a distribution that depends on the previous k
 symbols, a START symbol standing in before the document begins. Each context's distribution is a
 Dirichlet draw with a small concentration, so the next symbol is far more predictable with context
-than without: the gap between the unigram entropy and the chain's entropy is what a model must learn.
+than without: the gap between the unigram entropy and the chain's entropy is what a model learns.
 """
 
 from __future__ import annotations
@@ -27,8 +27,15 @@ class MarkovChain:
     max_doc_len: int
 
     @classmethod
-    def create(cls, order: int, alphabet_size: int, concentration: float, mean_doc_len: int,
-               max_doc_len: int, seed: int) -> MarkovChain:
+    def create(
+        cls,
+        order: int,
+        alphabet_size: int,
+        concentration: float,
+        mean_doc_len: int,
+        max_doc_len: int,
+        seed: int,
+    ) -> MarkovChain:
         rng = np.random.default_rng(seed)
         n_contexts = (alphabet_size + 1) ** order
         symbols = rng.dirichlet(np.full(alphabet_size, concentration), size=n_contexts)

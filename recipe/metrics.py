@@ -24,8 +24,13 @@ def _finite_or_none(value):
     return value
 
 
-def summarize(history: list[dict], *, entropy_floor: float | None, baseline_loss: float | None,
-              wall_time_s: float) -> dict:
+def summarize(
+    history: list[dict],
+    *,
+    entropy_floor: float | None,
+    baseline_loss: float | None,
+    wall_time_s: float,
+) -> dict:
     """The end-of-run numbers; `gap_closed` is the share of the learnable gap the model closed."""
     last = history[-FINAL_WINDOW:]
     final_lm = sum(h["lm_loss"] for h in last) / len(last) if last else None
@@ -84,22 +89,29 @@ class RunLogger(NullLogger):
 
         os.environ.setdefault("WANDB_SILENT", "true")
         run_dir = str(self.output_dir) if self.output_dir else None
-        return wandb.init(mode=wcfg.mode, project=wcfg.project, group=wcfg.group,
-                          tags=list(wcfg.tags) or None, dir=run_dir, config=asdict(cfg),
-                          reinit="finish_previous")
+        return wandb.init(
+            mode=wcfg.mode,
+            project=wcfg.project,
+            group=wcfg.group,
+            tags=list(wcfg.tags) or None,
+            dir=run_dir,
+            config=asdict(cfg),
+            reinit="finish_previous",
+        )
 
     def log_step(self, metrics: dict) -> None:
         if self._metrics is not None:
             self._metrics.write(json.dumps(metrics) + "\n")
             self._metrics.flush()
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in metrics.items() if k != "step"},
-                            step=metrics["step"])
+            self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
         if self._bar is not None:
             self._bar.update(1)
             if metrics["step"] % self._log_every == 0 or "eval_lm_loss" in metrics:
-                postfix = {"loss": f"{metrics['loss']:.4f}",
-                           "tok/s": f"{metrics['tokens_per_s']:.0f}"}
+                postfix = {
+                    "loss": f"{metrics['loss']:.4f}",
+                    "tok/s": f"{metrics['tokens_per_s']:.0f}",
+                }
                 if "eval_lm_loss" in metrics:
                     postfix["eval"] = f"{metrics['eval_lm_loss']:.4f}"
                 self._bar.set_postfix(postfix)

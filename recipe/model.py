@@ -78,8 +78,15 @@ def build_layer_spec(backend: str):
     return spec
 
 
-def build_gpt_model(model_cfg, *, vocab_size: int, max_sequence_length: int, seed: int,
-                    cp_size: int = 1, tp_size: int = 1):
+def build_gpt_model(
+    model_cfg,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    seed: int,
+    cp_size: int = 1,
+    tp_size: int = 1,
+):
     """A GPTModel with identical initial weights on every rank that shares `seed`."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 

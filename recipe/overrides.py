@@ -13,7 +13,9 @@ NUMERIC_GROUPS = ("cp",)
 _NUMBER_LIST = re.compile(r"^\d+(,\d+)*$")
 
 
-def quote_numeric_group_choices(args: list[str], groups: tuple[str, ...] = NUMERIC_GROUPS) -> list[str]:
+def quote_numeric_group_choices(
+    args: list[str], groups: tuple[str, ...] = NUMERIC_GROUPS
+) -> list[str]:
     """Rewrite `cp=2` to `cp='2'` and `cp=1,2,4` to `cp='1','2','4'` for the given groups."""
     rewritten = []
     for arg in args:

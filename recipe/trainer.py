@@ -44,15 +44,17 @@ class StepWork:
     global_micro_batches: int
 
 
-def plan_step(sequences: list[list[int]], cfg: TrainConfig, layout, pad_id: int,
-              device: torch.device) -> StepWork:
+def plan_step(
+    sequences: list[list[int]], cfg: TrainConfig, layout, pad_id: int, device: torch.device
+) -> StepWork:
     """Split a step across DP ranks, into micro-batches, and shard each for this CP rank."""
     lengths = [len(s) for s in sequences]
     alignment = cfg.alignment
     per_rank = split_across_ranks(lengths, layout.dp_size, alignment)
     plans = [
-        plan_micro_batches([lengths[i] for i in ids], alignment, layout.cp_size,
-                           cfg.batching.max_tokens_per_rank)
+        plan_micro_batches(
+            [lengths[i] for i in ids], alignment, layout.cp_size, cfg.batching.max_tokens_per_rank
+        )
         for ids in per_rank
     ]
     mine = per_rank[layout.dp_rank]
@@ -60,7 +62,9 @@ def plan_step(sequences: list[list[int]], cfg: TrainConfig, layout, pad_id: int,
     for micro in plans[layout.dp_rank]:
         batch = pack_sequences([sequences[mine[j]] for j in micro], alignment, pad_id)
         local = shard_batch(batch, layout.cp_size, layout.cp_rank, cfg.cp.preprocess)
-        micro_batches.append(local.replace(**{k: v.to(device) for k, v in local.per_token().items()}))
+        micro_batches.append(
+            local.replace(**{k: v.to(device) for k, v in local.per_token().items()})
+        )
     return StepWork(
         micro_batches=micro_batches,
         global_predicted_tokens=sum(n - 1 for n in lengths),
@@ -97,9 +101,13 @@ def build_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     o = cfg.optim
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+        [
+            {"params": decay, "weight_decay": o.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
     )
 
 
@@ -137,8 +145,10 @@ def train(cfg: TrainConfig) -> dict:
     try:
         _set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)))
         if layout.world_size != cfg.world_size:
-            raise ValueError(f"this process group has {layout.world_size} ranks but the config asks "
-                             f"for tp*cp*dp = {cfg.world_size}")
+            raise ValueError(
+                f"this process group has {layout.world_size} ranks but the config asks "
+                f"for tp*cp*dp = {cfg.world_size}"
+            )
         seed_model_parallel_rng(cfg.trainer.seed)
         torch.use_deterministic_algorithms(True, warn_only=True)
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -148,8 +158,10 @@ def train(cfg: TrainConfig) -> dict:
         model = build_model(cfg, corpus.tokenizer.vocab_size)
         optimizer = build_optimizer(model, cfg)
         grad_group = distributed.gradient_group()
-        eval_chunks = [plan_step(c, cfg, layout, pad_id, device)
-                       for c in chunk_for_eval(corpus.eval, cfg.batching.tokens_per_step)]
+        eval_chunks = [
+            plan_step(c, cfg, layout, pad_id, device)
+            for c in chunk_for_eval(corpus.eval, cfg.batching.tokens_per_step)
+        ]
         if layout.is_main:
             logger = RunLogger(cfg, cfg.output_dir, cfg.trainer.max_steps)
 
@@ -192,8 +204,12 @@ def train(cfg: TrainConfig) -> dict:
             history.append(metrics)
             logger.log_step(metrics)
         wall = time.perf_counter() - loop_start
-        summary = summarize(history, entropy_floor=corpus.entropy_floor,
-                            baseline_loss=corpus.baseline_loss, wall_time_s=wall)
+        summary = summarize(
+            history,
+            entropy_floor=corpus.entropy_floor,
+            baseline_loss=corpus.baseline_loss,
+            wall_time_s=wall,
+        )
         logger.log_summary(summary)
         return {"summary": summary, "history": history}
     finally:

@@ -54,7 +54,14 @@ def typed_config(overrides: list[str] | None = None, tiny: bool = True, output_d
 @pytest.fixture(autouse=True)
 def _no_inherited_rank_env(monkeypatch):
     """A test process is a lone rank unless a test says otherwise."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "SLURM_PROCID"):
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_PROCID",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("WANDB_MODE", os.environ.get("WANDB_MODE", "disabled"))

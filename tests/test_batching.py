@@ -87,7 +87,9 @@ def test_too_long_sequence_names_the_budget():
 
 
 @settings(max_examples=100, deadline=None)
-@given(lengths=st.lists(st.integers(1, 300), min_size=4, max_size=40), dp=st.sampled_from([1, 2, 4]))
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=4, max_size=40), dp=st.sampled_from([1, 2, 4])
+)
 def test_data_parallel_split_is_a_balanced_partition(lengths, dp):
     parts = split_across_ranks(lengths, dp, 4)
     assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
@@ -97,8 +99,11 @@ def test_data_parallel_split_is_a_balanced_partition(lengths, dp):
 
 
 @settings(max_examples=50, deadline=None)
-@given(lengths=st.lists(st.integers(1, 200), min_size=1, max_size=30),
-       budget=st.integers(200, 800), seed=st.integers(0, 5))
+@given(
+    lengths=st.lists(st.integers(1, 200), min_size=1, max_size=30),
+    budget=st.integers(200, 800),
+    seed=st.integers(0, 5),
+)
 def test_steps_take_whole_sequences_up_to_the_token_budget(lengths, budget, seed):
     seqs = _sequences(lengths)
     stream = iter(StepStream(seqs, budget, seed))

@@ -53,8 +53,10 @@ def test_default_is_the_documented_one():
         ("model.attention_backend=flash", ["model.attention_backend", "torch", "te"]),
         ("data.source=web", ["data.source", "markov", "pydoc", "files"]),
         ("data.markov.order=1", ["data.markov.order", ">= 2"]),
-        ("batching.max_tokens_per_rank=100", ["batching.max_tokens_per_rank=100",
-                                              "data.max_seq_len"]),
+        (
+            "batching.max_tokens_per_rank=100",
+            ["batching.max_tokens_per_rank=100", "data.max_seq_len"],
+        ),
         ("batching.tokens_per_step=10", ["batching.tokens_per_step=10", "max_seq_len"]),
         ("batching.tokens_per_step=-5", ["batching.tokens_per_step", "> 0"]),
         ("optim.lr=0", ["optim.lr"]),
@@ -91,7 +93,10 @@ def test_wrong_type_is_rejected():
 
 def test_numeric_group_choices_are_quoted_for_hydra():
     assert quote_numeric_group_choices(["cp=2", "mtp=off", "model.hidden_size=64"]) == [
-        "cp='2'", "mtp=off", "model.hidden_size=64"]
+        "cp='2'",
+        "mtp=off",
+        "model.hidden_size=64",
+    ]
     assert quote_numeric_group_choices(["cp=1,2,4"]) == ["cp='1','2','4'"]
     assert quote_numeric_group_choices(["cp.size=2"]) == ["cp.size=2"]
 

@@ -19,10 +19,16 @@ pytestmark = pytest.mark.distributed
 RTOL = 1e-5
 STEPS = 3
 # Short sequences in many micro-batches keep four ranks on two cores fast.
-COMMON = [f"trainer.max_steps={STEPS}", "data.max_seq_len=128", "data.markov.max_doc_len=120",
-          "data.markov.mean_doc_len=40", "batching.tokens_per_step=512",
-          "batching.max_tokens_per_rank=256", "data.max_eval_tokens=512",
-          "trainer.eval_every=0"]
+COMMON = [
+    f"trainer.max_steps={STEPS}",
+    "data.max_seq_len=128",
+    "data.markov.max_doc_len=120",
+    "data.markov.mean_doc_len=40",
+    "batching.tokens_per_step=512",
+    "batching.max_tokens_per_rank=256",
+    "data.max_eval_tokens=512",
+    "trainer.eval_every=0",
+]
 
 _reference_cache: dict[str, list[dict]] = {}
 
@@ -44,8 +50,9 @@ def _run(pe: str, overrides: list[str]) -> list[dict]:
 
 
 @pytest.mark.parametrize("pe", ["rope", "learned_absolute"])
-@pytest.mark.parametrize("layout", [["cp=2"], ["cp=4"], ["cp=2", "parallel.dp=2"]],
-                         ids=["cp2", "cp4", "dp2xcp2"])
+@pytest.mark.parametrize(
+    "layout", [["cp=2"], ["cp=4"], ["cp=2", "parallel.dp=2"]], ids=["cp2", "cp4", "dp2xcp2"]
+)
 def test_cp_matches_cp1(pe, layout):
     reference = _reference(pe)
     history = _run(pe, layout)

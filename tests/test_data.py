@@ -46,8 +46,9 @@ def test_split_is_seeded_disjoint_and_complete():
 
 
 def _tiny_chain(seed=0):
-    return MarkovChain.create(order=2, alphabet_size=4, concentration=0.3, mean_doc_len=30,
-                              max_doc_len=80, seed=seed)
+    return MarkovChain.create(
+        order=2, alphabet_size=4, concentration=0.3, mean_doc_len=30, max_doc_len=80, seed=seed
+    )
 
 
 def test_token_log_probs_match_a_direct_reference():
@@ -77,7 +78,8 @@ def test_generated_documents_follow_the_chain():
     counts = {}
     for doc in docs:
         codes = [chain.alphabet_size] * 2 + [
-            chain.alphabet_size if c == END_CHAR else ord(c) - ord("a") for c in doc]
+            chain.alphabet_size if c == END_CHAR else ord(c) - ord("a") for c in doc
+        ]
         for a, b, c in zip(codes, codes[1:], codes[2:]):
             counts.setdefault((a, b), np.zeros(chain.alphabet_size + 1))[c] += 1
     (a, b), row = max(counts.items(), key=lambda kv: kv[1].sum())
@@ -124,16 +126,18 @@ def _jsonl(path, rows):
 
 def test_files_source_reads_local_jsonl(tmp_path):
     path = _jsonl(tmp_path / "c.jsonl", [{"body": f"document number {i} " * 20} for i in range(30)])
-    corpus = load_corpus(DataConfig(source="files", path="json", data_files=path,
-                                    text_field="body", max_seq_len=128))
+    corpus = load_corpus(
+        DataConfig(source="files", path="json", data_files=path, text_field="body", max_seq_len=128)
+    )
     assert "document number" in TOK.decode(corpus.train[0])
     assert len(corpus.train) + len(corpus.eval) >= 30
 
 
 def test_files_source_errors_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match="cannot read data.path='json'"):
-        load_corpus(DataConfig(source="files", path="json",
-                               data_files=str(tmp_path / "missing.jsonl")))
+        load_corpus(
+            DataConfig(source="files", path="json", data_files=str(tmp_path / "missing.jsonl"))
+        )
     path = _jsonl(tmp_path / "c.jsonl", [{"body": "x", "id": 1}] * 3)
     with pytest.raises(ConfigError, match=r"no column 'text'.*\['body', 'id'\]"):
         load_corpus(DataConfig(source="files", path="json", data_files=path))

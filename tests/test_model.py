@@ -23,17 +23,26 @@ def world():
 
 
 def _model(position_embedding_type: str, num_query_groups: int = 2):
-    cfg = typed_config([f"model.position_embedding_type={position_embedding_type}",
-                        f"model.num_query_groups={num_query_groups}", "model.num_layers=2"])
+    cfg = typed_config(
+        [
+            f"model.position_embedding_type={position_embedding_type}",
+            f"model.num_query_groups={num_query_groups}",
+            "model.num_layers=2",
+        ]
+    )
     return build_gpt_model(cfg.model, vocab_size=259, max_sequence_length=256, seed=0)
 
 
 def _per_token_loss(model, batch):
     from recipe.packing import packed_seq_params
 
-    out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
-                attention_mask=None, labels=batch.labels[None],
-                packed_seq_params=packed_seq_params(batch))
+    out = model(
+        input_ids=batch.input_ids[None],
+        position_ids=batch.position_ids[None],
+        attention_mask=None,
+        labels=batch.labels[None],
+        packed_seq_params=packed_seq_params(batch),
+    )
     return out[0]
 
 
@@ -50,8 +59,9 @@ def test_packed_loss_equals_one_sequence_at_a_time(world, pe, alignment):
         for i, seq in enumerate(seqs):
             alone = _per_token_loss(model, pack_sequences([seq], 1, pad_id=258))
             start = int(packed.cu_seqlens_padded[i])
-            torch.testing.assert_close(together[start : start + len(seq) - 1],
-                                       alone[: len(seq) - 1], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                together[start : start + len(seq) - 1], alone[: len(seq) - 1], rtol=1e-5, atol=1e-5
+            )
 
 
 def test_packing_really_separates_sequences(world):
@@ -80,7 +90,7 @@ def test_grouped_query_attention_and_backward(world):
 
 
 def test_learned_absolute_positions_are_used(world):
-    """With learned positions, shifting position_ids must change the loss (what CP tests rely on)."""
+    """With learned positions, shifted position_ids change the loss (the CP tests rely on it)."""
     model = _model("learned_absolute")
     batch = pack_sequences([list(range(50))], 1, 258)
     shifted = batch.replace(position_ids=batch.position_ids + 1)

@@ -10,16 +10,34 @@ from recipe.metrics import read_metrics
 from recipe.trainer import train
 from tests.conftest import typed_config
 
-REQUIRED = {"step", "lm_loss", "loss", "grad_norm", "lr", "tokens", "padded_tokens",
-            "micro_batches", "step_time_s", "tokens_per_s"}
+REQUIRED = {
+    "step",
+    "lm_loss",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens",
+    "padded_tokens",
+    "micro_batches",
+    "step_time_s",
+    "tokens_per_s",
+}
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    cfg = typed_config(["trainer.max_steps=30", "trainer.eval_every=10", "optim.lr=1e-2",
-                        "optim.warmup_steps=3", "model.hidden_size=64",
-                        "model.ffn_hidden_size=128"], output_dir=out)
+    cfg = typed_config(
+        [
+            "trainer.max_steps=30",
+            "trainer.eval_every=10",
+            "optim.lr=1e-2",
+            "optim.warmup_steps=3",
+            "model.hidden_size=64",
+            "model.ffn_hidden_size=128",
+        ],
+        output_dir=out,
+    )
     return train(cfg), out
 
 
