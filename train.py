@@ -3,13 +3,14 @@
 Thin by design: compose and validate the config, then hand a typed config to recipe's `run`.
 """
 
+import os
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
 from recipe.config import register_configs
-from recipe.overrides import quote_numeric_group_choices
+from recipe.overrides import quote_numeric_group_choices, single_run_dir_for_rank
 
 register_configs()
 
@@ -22,5 +23,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = quote_numeric_group_choices(sys.argv[1:])
+    sys.argv[1:] = single_run_dir_for_rank(quote_numeric_group_choices(sys.argv[1:]), os.environ)
     main()

@@ -208,8 +208,6 @@ class ParallelConfig:
     """Data-parallel replicas."""
     tp: int = 1
     """Tensor-parallel size (only 1 is supported by the recipe's layers for now)."""
-    max_world_size: int = 64
-    """Refuse to start more ranks than this on one machine (guards against typos)."""
 
     def __post_init__(self) -> None:
         _positive("parallel.dp", self.dp)
@@ -340,13 +338,6 @@ class TrainConfig:
             self.batching.tokens_per_step >= self.data.max_seq_len,
             f"batching.tokens_per_step={self.batching.tokens_per_step} is smaller than one "
             f"sequence (data.max_seq_len={self.data.max_seq_len}); raise it or lower max_seq_len",
-        )
-        world = self.world_size
-        _require(
-            world <= self.parallel.max_world_size,
-            f"tp*cp*dp = {self.parallel.tp}*{self.cp.size}*{self.parallel.dp} = {world} ranks "
-            f"exceeds parallel.max_world_size={self.parallel.max_world_size}; lower cp or "
-            "parallel.dp, or raise parallel.max_world_size if this machine can hold them",
         )
 
     @property

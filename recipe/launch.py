@@ -13,6 +13,7 @@ import os
 import sys
 
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from recipe.config import ConfigError, TrainConfig
 
@@ -40,15 +41,51 @@ def launched_externally() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def quiet_libraries() -> None:
+    """megatron-core warns at import about optional GPU packages (Apex, Transformer Engine) that a
+    CPU run does not need, and logs FSDP set-up at INFO; keep the console for the recipe."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
+@record
 def _worker(cfg: TrainConfig) -> dict:
+    quiet_libraries()
     from recipe.trainer import train
 
     return train(cfg)
 
 
-def launch_world(cfg: TrainConfig) -> dict:
-    """Start cfg.world_size local ranks and wait; returns rank 0's result."""
+def max_local_ranks() -> int:
+    """How many ranks one machine may start: one per GPU, or a few per CPU core (gloo ranks
+    share cores; beyond this the job would crawl, which usually means a typo in cp or dp)."""
     import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def check_launchable(cfg: TrainConfig) -> None:
+    limit = max_local_ranks()
+    if cfg.world_size > limit:
+        raise ConfigError(
+            f"tp*cp*dp = {cfg.parallel.tp}*{cfg.cp.size}*{cfg.parallel.dp} = {cfg.world_size} "
+            f"ranks, but this machine can host at most {limit}; lower cp or parallel.dp, or "
+            "launch across nodes with torchrun/SLURM"
+        )
+
+
+def launch_world(cfg: TrainConfig, entrypoint=_worker) -> dict:
+    """Start cfg.world_size local ranks running `entrypoint(cfg)`; returns rank 0's result.
+
+    A rank that fails takes the others down at once (the agent watches every 0.1 s) and its
+    error is printed; the job then exits with status 1.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -64,25 +101,35 @@ def launch_world(cfg: TrainConfig) -> dict:
         start_method="spawn",
     )
     try:
-        results = elastic_launch(launch_cfg, entrypoint=_worker)(cfg)
+        results = elastic_launch(launch_cfg, entrypoint=entrypoint)(cfg)
     except ChildFailedError as err:
-        first = min(err.failures)
-        failure = err.failures[first]
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", message)
-        print(f"rank {failure.local_rank} failed: {message}", file=sys.stderr)
+        rank, failure = err.get_first_failure()
+        print(
+            f"rank {rank} failed (exit code {failure.exitcode}):\n{_failure_text(failure)}",
+            file=sys.stderr,
+        )
         raise SystemExit(1) from None
-    del torch
     return results[0]
+
+
+def _failure_text(failure) -> str:
+    """The failed rank's error and traceback, as recorded by `@record` in the worker."""
+    message = failure.message
+    if isinstance(message, dict):
+        info = message.get("extraInfo", {})
+        return f"{info.get('py_callstack', '')}{message.get('message', '')}".strip()
+    return str(message)
 
 
 def run(cfg: DictConfig):
     """Hydra task: validate, resolve the one output directory, train (here or on own ranks)."""
     from hydra.core.hydra_config import HydraConfig
 
+    quiet_libraries()
     try:
         typed = to_typed(cfg)
+        if typed.world_size > 1 and not launched_externally():
+            check_launchable(typed)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

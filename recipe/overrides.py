@@ -25,3 +25,22 @@ def quote_numeric_group_choices(
             arg = f"{key}={value}"
         rewritten.append(arg)
     return rewritten
+
+
+def single_run_dir_for_rank(args: list[str], environ: dict[str, str]) -> list[str]:
+    """Under torchrun or SLURM every rank runs Hydra; only rank 0 may create a run directory.
+
+    Each rank would otherwise make its own timestamped folder (or, in the same second, share one
+    with another job). Ranks other than 0 therefore run in the current directory and write no
+    Hydra files or logs; rank 0's directory is the job's one output directory.
+    """
+    rank = environ.get("RANK", environ.get("SLURM_PROCID") if "MASTER_ADDR" in environ else None)
+    if rank is None or rank == "0":
+        return args
+    return [
+        *args,
+        "hydra.run.dir=.",
+        "hydra.output_subdir=null",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+    ]

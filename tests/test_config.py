@@ -65,7 +65,6 @@ def test_default_is_the_documented_one():
         ("logger.wandb.mode=cloud", ["logger.wandb.mode", "offline"]),
         ("cp.preprocess=magic", ["cp.preprocess", "index", "verl_legacy"]),
         ("parallel.dp=0", ["parallel.dp"]),
-        ("parallel.max_world_size=0", ["max_world_size"]),
     ],
 )
 def test_bad_values_fail_with_a_message_naming_field_and_fix(override, fragments):

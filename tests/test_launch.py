@@ -1,0 +1,160 @@
+"""Launching: `python train.py cp=2` starts its own ranks, one output directory, prompt failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recipe.config import ConfigError
+from recipe.launch import check_launchable, launch_world, max_local_ranks
+from tests.conftest import TINY, typed_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _fail_on_rank_1_while_rank_0_waits(cfg):
+    """Rank 1 raises; rank 0 blocks in a collective that can never complete."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise RuntimeError("injected failure on rank 1")
+    dist.all_reduce(torch.ones(1))  # would hang forever without the agent stepping in
+    return {}
+
+
+@pytest.mark.distributed
+def test_a_failing_rank_ends_the_job_promptly_with_its_error(capfd):
+    cfg = typed_config(["cp=2"])
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as info:
+        launch_world(cfg, entrypoint=_fail_on_rank_1_while_rank_0_waits)
+    assert info.value.code == 1
+    assert time.monotonic() - start < 60
+    err = capfd.readouterr().err
+    assert "rank 1 failed" in err and "injected failure on rank 1" in err
+
+
+def test_too_many_ranks_for_the_machine_is_refused_before_launch():
+    cfg = typed_config(["cp=4", f"parallel.dp={max_local_ranks()}"])
+    with pytest.raises(ConfigError, match=r"tp\*cp\*dp .* ranks, but this machine"):
+        check_launchable(cfg)
+    check_launchable(typed_config(["cp=2"]))  # a sane size passes
+
+
+def _train_cli(args, cwd, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["WANDB_MODE"] = "disabled"
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *TINY, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.distributed
+def test_cli_cp2_self_launches_into_exactly_one_output_directory(tmp_path):
+    result = _train_cli(["cp=2", "trainer.max_steps=3"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dirs = {p.parent for p in tmp_path.rglob("metrics.jsonl")}
+    assert len(run_dirs) == 1
+    (run_dir,) = run_dirs
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+    assert len(list(tmp_path.rglob(".hydra"))) == 1, "ranks must not create their own folders"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3], "only rank 0 writes metrics"
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+
+
+def test_cli_bad_config_exits_2_with_the_field_named(tmp_path):
+    result = _train_cli(["model.hidden_size=33"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert "config error: model.hidden_size=33" in result.stderr
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+def test_cli_data_files_trains_on_a_local_jsonl(tmp_path):
+    data = tmp_path / "corpus.jsonl"
+    data.write_text(
+        "".join(json.dumps({"text": f"line {i} of a tiny corpus. " * 8}) + "\n" for i in range(40))
+    )
+    result = _train_cli(
+        [
+            "data=files",
+            "data.path=json",
+            f"data.data_files={data}",
+            "data.text_field=text",
+            "data.max_seq_len=256",
+            "trainer.max_steps=2",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["entropy_floor"] is None
+
+
+def test_launcher_environment_is_used_when_present(monkeypatch):
+    from recipe.launch import launched_externally
+
+    assert not launched_externally()
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert not launched_externally(), "SLURM without MASTER_ADDR cannot rendezvous"
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert launched_externally()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("3", "8")
+
+
+@pytest.mark.distributed
+def test_torchrun_ranks_share_one_output_directory(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["WANDB_MODE"] = "disabled"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            str(ROOT / "train.py"),
+            *TINY,
+            "cp=2",
+            "trainer.max_steps=2",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(list(tmp_path.rglob("metrics.jsonl"))) == 1
+    assert len(list(tmp_path.rglob(".hydra"))) == 1
+
+
+def test_only_rank_0_gets_a_hydra_run_directory():
+    from recipe.overrides import single_run_dir_for_rank
+
+    args = ["cp=2"]
+    assert single_run_dir_for_rank(args, {}) == args
+    assert single_run_dir_for_rank(args, {"RANK": "0"}) == args
+    other = single_run_dir_for_rank(args, {"RANK": "1"})
+    assert other[:1] == args and "hydra.run.dir=." in other and "hydra.output_subdir=null" in other
+    assert single_run_dir_for_rank(args, {"SLURM_PROCID": "2"}) == args  # no rendezvous: lone
+    assert "hydra.run.dir=." in single_run_dir_for_rank(
+        args, {"SLURM_PROCID": "2", "MASTER_ADDR": "n1"}
+    )
