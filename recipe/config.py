@@ -35,6 +35,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "te")
 DATA_SOURCES = ("markov", "pydoc", "files")
 WANDB_MODES = ("disabled", "offline", "online")
 CP_PREPROCESS = ("index", "verl_fixed", "verl_legacy")
+PASS_POSITION_IDS = ("auto", "mtp_only", "not_vision", "always", "never")
 
 
 @dataclass
@@ -62,6 +63,10 @@ class ModelConfig:
     """Std of the normal weight initialisation."""
     tie_embeddings: bool = False
     """Share input embedding and output layer weights."""
+    pass_position_ids: str = "auto"
+    """When the model call gets position_ids: auto (whenever learned positions or the MTP block
+    read them, never into a vision model) | mtp_only (verl after PR #6267) | not_vision (verl
+    before it) | always | never."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -92,6 +97,7 @@ class ModelConfig:
         )
         _one_of("model.position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
         _one_of("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _one_of("model.pass_position_ids", self.pass_position_ids, PASS_POSITION_IDS)
 
 
 @dataclass
@@ -216,14 +222,21 @@ class ParallelConfig:
 
 @dataclass
 class MTPConfig:
-    """Multi-token prediction head."""
+    """Multi-token prediction: megatron-core's MTP block predicts tokens further ahead."""
 
     enabled: bool = False
+    """mtp=on / mtp=off."""
     num_layers: int = 1
+    """MTP depth: layer k (1-based) predicts the token k+1 positions after the next one."""
     loss_scaling_factor: float = 0.1
+    """Weight of the MTP loss (mean over layers) in the optimised loss."""
 
     def __post_init__(self) -> None:
-        _require(not self.enabled, "mtp=on is not available yet; use mtp=off")
+        _positive("mtp.num_layers", self.num_layers)
+        _require(
+            self.loss_scaling_factor >= 0,
+            f"mtp.loss_scaling_factor must be >= 0, got {self.loss_scaling_factor}",
+        )
 
 
 @dataclass
@@ -339,6 +352,37 @@ class TrainConfig:
             f"batching.tokens_per_step={self.batching.tokens_per_step} is smaller than one "
             f"sequence (data.max_seq_len={self.data.max_seq_len}); raise it or lower max_seq_len",
         )
+
+        if not self.passes_position_ids:
+            policy = f"model.pass_position_ids={self.model.pass_position_ids}"
+            _require(
+                self.model.position_embedding_type != "learned_absolute",
+                f"model.position_embedding_type=learned_absolute needs position_ids, but {policy} "
+                f"passes none here (mtp={'on' if self.mtp.enabled else 'off'}); use "
+                "model.pass_position_ids=auto or always",
+            )
+            _require(
+                not self.mtp.enabled,
+                f"mtp=on needs position_ids (the MTP block embeds the shifted tokens at their "
+                f"positions), but {policy} passes none; use model.pass_position_ids=auto or always",
+            )
+
+    @property
+    def passes_position_ids(self) -> bool:
+        """Whether the model call receives position_ids, by `model.pass_position_ids`."""
+        policy, mtp, vision = self.model.pass_position_ids, self.mtp.enabled, self.vision.enabled
+        if policy == "always":
+            return True
+        if policy == "never":
+            return False
+        if policy == "mtp_only":
+            return mtp
+        if policy == "not_vision":
+            return not vision
+        # auto: exactly when something reads them. With rope megatron derives positions from the
+        # packed boundaries, so 1-D ids are only read by learned absolute embeddings and by the MTP
+        # block's embedding; a vision model builds its own 3-D ids and must not get 1-D ones.
+        return (mtp or self.model.position_embedding_type == "learned_absolute") and not vision
 
     @property
     def alignment(self) -> int:

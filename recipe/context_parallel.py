@@ -20,7 +20,7 @@ def shard_batch(
     if cp_size == 1:
         return batch
     index = zigzag_index(batch.cu_seqlens_padded, cp_size, cp_rank)
-    local = shard_tensors(batch.per_token(), index)
+    local = shard_tensors(batch.per_token(), index, token_dims=PackedBatch.TOKEN_DIMS)
     if method != "index":
         starts = batch.cu_seqlens_padded[:-1].tolist()
         lengths = batch.cu_seqlens.diff().tolist()

@@ -30,11 +30,14 @@ def resolve_attention_backend(name: str) -> str:
     return name
 
 
-def build_transformer_config(model_cfg, *, cp_size: int = 1, tp_size: int = 1):
+def build_transformer_config(model_cfg, *, cp_size: int = 1, tp_size: int = 1, mtp_cfg=None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     use_gpu = torch.cuda.is_available()
+    mtp_on = mtp_cfg is not None and mtp_cfg.enabled
     return TransformerConfig(
+        mtp_num_layers=mtp_cfg.num_layers if mtp_on else None,
+        mtp_loss_scaling_factor=mtp_cfg.loss_scaling_factor if mtp_on else 0.1,
         num_layers=model_cfg.num_layers,
         hidden_size=model_cfg.hidden_size,
         num_attention_heads=model_cfg.num_attention_heads,
@@ -86,16 +89,29 @@ def build_gpt_model(
     seed: int,
     cp_size: int = 1,
     tp_size: int = 1,
+    mtp_cfg=None,
 ):
-    """A GPTModel with identical initial weights on every rank that shares `seed`."""
+    """A GPTModel with identical initial weights on every rank that shares `seed`.
+
+    With `mtp_cfg.enabled` it carries megatron-core's multi-token-prediction block, built from the
+    same layer spec, so the recipe's attention backend runs inside the MTP layers too.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     backend = resolve_attention_backend(model_cfg.attention_backend)
-    config = build_transformer_config(model_cfg, cp_size=cp_size, tp_size=tp_size)
+    config = build_transformer_config(model_cfg, cp_size=cp_size, tp_size=tp_size, mtp_cfg=mtp_cfg)
+    layer_spec = build_layer_spec(backend)
+    mtp_block_spec = None
+    if config.mtp_num_layers:
+        mtp_block_spec = get_gpt_mtp_block_spec(
+            config, layer_spec, use_transformer_engine=backend == "te"
+        )
     torch.manual_seed(seed)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=build_layer_spec(backend),
+        transformer_layer_spec=layer_spec,
+        mtp_block_spec=mtp_block_spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=True,

@@ -32,8 +32,11 @@ class PackedBatch:
     """[n+1] int32 cumulative padded lengths (global, also after sharding)."""
     max_seqlen: int
     """Longest padded sequence (global)."""
+    mtp_mask: torch.Tensor | None = None
+    """[mtp layers, T] float: 1 where MTP layer k has a target in the same sequence (mtp=on)."""
 
-    PER_TOKEN = ("input_ids", "position_ids", "labels", "loss_mask")
+    PER_TOKEN = ("input_ids", "position_ids", "labels", "loss_mask", "mtp_mask")
+    TOKEN_DIMS = {"mtp_mask": -1}
 
     @property
     def num_sequences(self) -> int:
@@ -44,7 +47,12 @@ class PackedBatch:
         return int(self.cu_seqlens[-1])
 
     def per_token(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in self.PER_TOKEN}
+        """Every per-token tensor present; CP shards all of them with one index."""
+        return {n: getattr(self, n) for n in self.PER_TOKEN if getattr(self, n) is not None}
+
+    def tokens_per_sequence_length(self) -> torch.Tensor:
+        """[T] the real length of the sequence each token slot belongs to."""
+        return torch.repeat_interleave(self.cu_seqlens.diff(), self.cu_seqlens_padded.diff())
 
     def replace(self, **changes) -> PackedBatch:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -28,6 +28,12 @@ from recipe.context_parallel import shard_batch
 from recipe.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
 from recipe.data import load_corpus
 from recipe.metrics import NullLogger, RunLogger, summarize
+from recipe.mtp import (
+    global_mtp_token_counts,
+    mtp_label_masks,
+    set_mtp_backward_scale,
+    take_mtp_loss_means,
+)
 from recipe.packing import PackedBatch, pack_sequences, packed_seq_params
 
 
@@ -42,6 +48,8 @@ class StepWork:
     global_real_tokens: int
     global_padded_tokens: int
     global_micro_batches: int
+    global_mtp_tokens: list[int]
+    """Per MTP layer: tokens it predicts over the whole step (empty with mtp=off)."""
 
 
 def plan_step(
@@ -58,9 +66,15 @@ def plan_step(
         for ids in per_rank
     ]
     mine = per_rank[layout.dp_rank]
+    mtp_layers = cfg.mtp.num_layers if cfg.mtp.enabled else 0
     micro_batches = []
     for micro in plans[layout.dp_rank]:
         batch = pack_sequences([sequences[mine[j]] for j in micro], alignment, pad_id)
+        if mtp_layers:
+            masks = mtp_label_masks(
+                batch.position_ids, batch.tokens_per_sequence_length(), mtp_layers
+            )
+            batch = batch.replace(mtp_mask=masks)
         local = shard_batch(batch, layout.cp_size, layout.cp_rank, cfg.cp.preprocess)
         micro_batches.append(
             local.replace(**{k: v.to(device) for k, v in local.per_token().items()})
@@ -71,19 +85,53 @@ def plan_step(
         global_real_tokens=sum(lengths),
         global_padded_tokens=sum(aligned_length(n, alignment) for n in lengths),
         global_micro_batches=sum(len(p) for p in plans),
+        global_mtp_tokens=global_mtp_token_counts(lengths, mtp_layers),
     )
 
 
-def forward_loss_sum(model, batch: PackedBatch) -> torch.Tensor:
-    """Sum of this rank's masked per-token losses for one micro-batch."""
+def forward_loss_sum(
+    model, batch: PackedBatch, pass_position_ids: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's masked loss sums for one micro-batch: (next-token sum, per-MTP-layer sums).
+
+    The MTP sums (None without MTP or outside training) are for logging; the MTP gradient reaches
+    the model inside megatron, scaled by `set_mtp_backward_scale`.
+    """
+    kwargs = {}
+    if batch.mtp_mask is not None:
+        kwargs["loss_mask"] = batch.loss_mask.unsqueeze(0)  # megatron rolls it per MTP layer
     per_token = model(
         input_ids=batch.input_ids.unsqueeze(0),
-        position_ids=batch.position_ids.unsqueeze(0),
+        position_ids=batch.position_ids.unsqueeze(0) if pass_position_ids else None,
         attention_mask=None,
         labels=batch.labels.unsqueeze(0),
         packed_seq_params=packed_seq_params(batch),
+        **kwargs,
     )
-    return (per_token.squeeze(0).float() * batch.loss_mask).sum()
+    lm_sum = (per_token.squeeze(0).float() * batch.loss_mask).sum()
+    mtp_sums = None
+    if batch.mtp_mask is not None and model.training:
+        counts = batch.mtp_mask.sum(-1).double().cpu()
+        means = take_mtp_loss_means(counts.numel())
+        # A rank with no MTP target in this micro-batch tracked 0/0; it contributes nothing.
+        mtp_sums = torch.where(counts > 0, means * counts, torch.zeros_like(counts))
+    return lm_sum, mtp_sums
+
+
+def mtp_metrics(sums: list[float], counts: list[int], lm_loss: float, scale: float) -> dict:
+    """`loss` is what is optimised: lm_loss + scale * mean over MTP layers of (sum / N), with N
+    the first layer's global token count (megatron applies one backward scale to all layers), so
+    with one layer it is exactly lm_loss + scale * mtp_loss."""
+    if not counts:
+        return {"loss": lm_loss}
+    means = [s / n if n else float("nan") for s, n in zip(sums, counts)]
+    metrics = {
+        "loss": lm_loss + scale * sum(sums) / len(sums) / counts[0] if counts[0] else lm_loss,
+        "mtp_loss": sum(means) / len(means),
+    }
+    if len(means) > 1:
+        metrics.update({f"mtp_loss_{k + 1}": m for k, m in enumerate(means)})
+    return metrics
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -119,12 +167,12 @@ def _grad_norm(parameters, clip: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, chunks: list[StepWork], group) -> float:
+def evaluate(model, chunks: list[StepWork], group, pass_position_ids: bool) -> float:
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64)
     for work in chunks:
         for batch in work.micro_batches:
-            loss_sum += forward_loss_sum(model, batch).double().cpu()
+            loss_sum += forward_loss_sum(model, batch, pass_position_ids)[0].double().cpu()
     model.train()
     distributed.all_reduce_sum(loss_sum, group)
     return float(loss_sum) / sum(w.global_predicted_tokens for w in chunks)
@@ -175,21 +223,27 @@ def train(cfg: TrainConfig) -> dict:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros((), dtype=torch.float64)
+            mtp_counts = work.global_mtp_tokens
+            if mtp_counts:
+                set_mtp_backward_scale(1.0 / mtp_counts[0] if mtp_counts[0] else 0.0)
+            # One buffer, one all-reduce: [next-token sum, MTP sum per layer].
+            sums = torch.zeros(1 + len(mtp_counts), dtype=torch.float64)
             for batch in work.micro_batches:
-                local_sum = forward_loss_sum(model, batch)
-                (local_sum / work.global_predicted_tokens).backward()
-                loss_sum += local_sum.detach().double().cpu()
+                lm_sum, mtp_sums = forward_loss_sum(model, batch, cfg.passes_position_ids)
+                (lm_sum / work.global_predicted_tokens).backward()
+                sums[0] += lm_sum.detach().double().cpu()
+                if mtp_sums is not None:
+                    sums[1:] += mtp_sums
             distributed.all_reduce_gradients(model.parameters(), grad_group)
             grad_norm = _grad_norm(model.parameters(), cfg.optim.grad_clip)
             optimizer.step()
-            distributed.all_reduce_sum(loss_sum, grad_group)
-            lm_loss = float(loss_sum) / work.global_predicted_tokens
+            distributed.all_reduce_sum(sums, grad_group)
+            lm_loss = float(sums[0]) / work.global_predicted_tokens
             step_time = time.perf_counter() - step_start
             metrics = {
                 "step": step,
                 "lm_loss": lm_loss,
-                "loss": lm_loss,
+                **mtp_metrics(sums[1:].tolist(), mtp_counts, lm_loss, cfg.mtp.loss_scaling_factor),
                 "grad_norm": grad_norm,
                 "lr": lr,
                 "tokens": work.global_real_tokens,
@@ -200,7 +254,9 @@ def train(cfg: TrainConfig) -> dict:
             }
             every = cfg.trainer.eval_every
             if step == cfg.trainer.max_steps or (every and step % every == 0):
-                metrics["eval_lm_loss"] = evaluate(model, eval_chunks, grad_group)
+                metrics["eval_lm_loss"] = evaluate(
+                    model, eval_chunks, grad_group, cfg.passes_position_ids
+                )
             history.append(metrics)
             logger.log_step(metrics)
         wall = time.perf_counter() - loop_start
@@ -223,6 +279,7 @@ def build_model(cfg: TrainConfig, vocab_size: int):
 
     return build_gpt_model(
         cfg.model,
+        mtp_cfg=cfg.mtp,
         vocab_size=vocab_size,
         max_sequence_length=aligned_length(cfg.data.max_seq_len, cfg.alignment),
         seed=cfg.trainer.seed,

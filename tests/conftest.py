@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -65,3 +66,18 @@ def _no_inherited_rank_env(monkeypatch):
     ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("WANDB_MODE", os.environ.get("WANDB_MODE", "disabled"))
+
+
+@contextlib.contextmanager
+def lone_world(seed: int = 0):
+    """A world of one process with megatron's parallel state, for building models in tests."""
+    from recipe import distributed
+    from recipe.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+
+    apply_cpu_compat()
+    layout = distributed.init_distributed()
+    try:
+        seed_model_parallel_rng(seed)
+        yield layout
+    finally:
+        distributed.shutdown_distributed()

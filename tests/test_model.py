@@ -5,21 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipe import distributed
-from recipe.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
 from recipe.model import build_gpt_model
 from recipe.packing import pack_sequences
 from recipe.trainer import forward_loss_sum
-from tests.conftest import typed_config
+from tests.conftest import lone_world, typed_config
 
 
 @pytest.fixture(scope="module")
 def world():
-    apply_cpu_compat()
-    distributed.init_distributed()
-    seed_model_parallel_rng(0)
-    yield
-    distributed.shutdown_distributed()
+    with lone_world():
+        yield
 
 
 def _model(position_embedding_type: str, num_query_groups: int = 2):
@@ -82,7 +77,7 @@ def test_packing_really_separates_sequences(world):
 def test_grouped_query_attention_and_backward(world):
     model = _model("rope", num_query_groups=1)
     batch = pack_sequences([[1, 2, 3, 4, 5], [6, 7, 8]], 1, 258)
-    loss = forward_loss_sum(model, batch)
+    loss, _ = forward_loss_sum(model, batch)
     loss.backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
