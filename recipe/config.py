@@ -320,6 +320,26 @@ class LoggerConfig:
 
 
 @dataclass
+class CompareConfig:
+    """How sweeps are judged (the parity report written at the end of `-m` runs)."""
+
+    rtol: float = 1e-5
+    """Largest relative difference per step allowed against the baseline. 1e-5 suits fp32 on
+    CPU; for bf16 on GPU use about 0.05 (Megatron-LM's functional-test tolerance) and read the
+    correlation column."""
+    baseline: str = "auto"
+    """auto: per run, the cp=1, dp=1 job with otherwise the same settings; or a job number of the
+    sweep (e.g. "0") to compare every job with that one."""
+
+    def __post_init__(self) -> None:
+        _positive("compare.rtol", self.rtol)
+        _require(
+            self.baseline == "auto" or str(self.baseline).isdigit(),
+            f"compare.baseline={self.baseline!r}: use auto or a job number such as 0",
+        )
+
+
+@dataclass
 class TrainConfig:
     """Everything one training run needs."""
 
@@ -333,6 +353,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
     output_dir: str | None = None
     """Where outputs go; set from Hydra's run directory by train.py."""
 

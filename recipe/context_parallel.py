@@ -20,7 +20,9 @@ def shard_batch(
     if cp_size == 1:
         return batch
     index = zigzag_index(batch.cu_seqlens_padded, cp_size, cp_rank)
-    local = shard_tensors(batch.per_token(), index, token_dims=PackedBatch.TOKEN_DIMS)
+    tensors = batch.per_token()
+    token_dims = {k: d for k, d in PackedBatch.TOKEN_DIMS.items() if k in tensors}
+    local = shard_tensors(tensors, index, token_dims=token_dims)
     if method != "index":
         starts = batch.cu_seqlens_padded[:-1].tolist()
         lengths = batch.cu_seqlens.diff().tolist()

@@ -50,19 +50,23 @@ def init_distributed(
 
     from megatron.core import parallel_state
 
-    if "RANK" not in os.environ:
-        os.environ.update(
-            RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-        )
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+        timeout = timedelta(minutes=timeout_minutes)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            # A lone process: leave the environment alone, so a later job in the same process
+            # (a multirun) does not mistake it for a launcher's.
+            dist.init_process_group(
+                backend=backend,
+                timeout=timeout,
+                rank=0,
+                world_size=1,
+                init_method=f"tcp://127.0.0.1:{_free_port()}",
+            )
     world = dist.get_world_size()
     if world % (tp_size * cp_size):
         raise ValueError(

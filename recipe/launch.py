@@ -133,7 +133,10 @@ def run(cfg: DictConfig):
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    typed.output_dir = HydraConfig.get().runtime.output_dir
+    hydra_cfg = HydraConfig.get()
+    typed.output_dir = hydra_cfg.runtime.output_dir
+    if hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN":
+        group_sweep_in_wandb(typed, list(hydra_cfg.overrides.task))
     if typed.world_size == 1 or launched_externally():
         from recipe.trainer import train
 
@@ -144,6 +147,18 @@ def run(cfg: DictConfig):
     if int(os.environ.get("RANK", "0")) == 0:
         print(_format_summary(summary, typed.output_dir))
     return summary.get("final_eval_lm_loss")
+
+
+def group_sweep_in_wandb(cfg: TrainConfig, overrides: list[str]) -> None:
+    """Jobs of one sweep share a wandb group (the sweep directory) and carry their overrides as
+    tags, so the sweep can be compared in the wandb UI as in the parity report."""
+    from pathlib import Path
+
+    sweep_dir = Path(cfg.output_dir).parent
+    wandb_cfg = cfg.logger.wandb
+    if wandb_cfg.group is None:
+        wandb_cfg.group = f"sweep-{sweep_dir.parent.name}-{sweep_dir.name}"
+    wandb_cfg.tags = [*wandb_cfg.tags, *(o[:64] for o in overrides if not o.startswith("hydra"))]
 
 
 def _format_summary(summary: dict, output_dir: str) -> str:

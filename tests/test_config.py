@@ -105,3 +105,22 @@ def test_alignment_is_2_cp_tp_under_cp_and_tp_otherwise():
     assert cfg.alignment == 1
     cfg.cp.size = 2
     assert cfg.alignment == 4
+
+
+@pytest.mark.parametrize("experiment", _options("experiment"))
+def test_every_experiment_composes_and_sweeps_something(experiment):
+    from hydra import compose, initialize_config_dir
+
+    from recipe.config import register_configs
+    from recipe.launch import to_typed
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[f"experiment={experiment}"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert params and "cp" in params, "every experiment compares cp settings"
+    for choice in str(params["cp"]).split(","):
+        assert choice.strip("'") in _options("cp")
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        job_cfg = compose("train", overrides=[f"experiment={experiment}"])
+    assert isinstance(to_typed(job_cfg), TrainConfig)

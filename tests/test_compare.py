@@ -1,0 +1,169 @@
+"""The run comparison behind parity reports and scripts/compare_runs.py, on synthetic runs, plus a
+real (tiny) multirun sweep that must end in a report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from recipe.compare import all_passed, compare_all, find_runs, load_run, render_markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "compare_runs.py"
+
+
+def make_run(
+    root: Path,
+    name: str,
+    cp: int = 1,
+    pe: str = "rope",
+    steps: int = 5,
+    shift: float = 0.0,
+    mtp: bool = False,
+    drop: tuple[str, ...] = (),
+) -> Path:
+    run = root / name
+    (run / ".hydra").mkdir(parents=True)
+    config = {
+        "cp": {"size": cp, "preprocess": "index"},
+        "parallel": {"dp": 1, "tp": 1},
+        "model": {"position_embedding_type": pe},
+        "mtp": {"enabled": mtp},
+        "output_dir": str(run),
+    }
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    rows = []
+    for step in range(1, steps + 1):
+        row = {"step": step, "lm_loss": 5.0 / step + shift * step, "grad_norm": 1.0 + 0.1 * step}
+        if mtp:
+            row["mtp_loss"] = 6.0 / step
+        rows.append({k: v for k, v in row.items() if k not in drop})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_identical_and_tiny_differences_pass_large_ones_fail(tmp_path):
+    make_run(tmp_path, "0", cp=1)
+    make_run(tmp_path, "1", cp=2, shift=1e-8)
+    make_run(tmp_path, "2", cp=4, shift=1e-3)
+    results = compare_all(find_runs([tmp_path]), rtol=1e-5)
+    assert [c.passed for c in results] == [None, True, False]
+    assert results[2].diffs[0].metric == "lm_loss"
+    # Largest at the last step: 5/5 = 1.0 against 1.0 + 5 * 1e-3.
+    assert results[2].diffs[0].max_rel == pytest.approx(5e-3 / 1.005, rel=1e-9)
+    assert not all_passed(results)
+
+
+def test_baseline_is_cp1_with_otherwise_the_same_settings(tmp_path):
+    make_run(tmp_path, "0", cp=1, pe="rope")
+    make_run(tmp_path, "1", cp=1, pe="learned_absolute", shift=0.5)
+    make_run(tmp_path, "2", cp=2, pe="learned_absolute", shift=0.5)
+    make_run(tmp_path, "3", cp=2, pe="rope")
+    results = compare_all(find_runs([tmp_path]), rtol=1e-5)
+    assert [c.baseline.path.name if c.baseline else None for c in results] == [None, None, "1", "0"]
+    assert all_passed(results)
+
+
+def test_explicit_baseline_and_runs_without_one(tmp_path):
+    make_run(tmp_path, "a", cp=2, pe="learned_absolute")
+    make_run(tmp_path, "b", cp=2, pe="rope")
+    runs = find_runs([tmp_path])
+    assert [c.passed for c in compare_all(runs, 1e-5)] == [None, None]
+    report = render_markdown(compare_all(runs, 1e-5), 1e-5)
+    assert "no baseline" in report
+    forced = compare_all(runs, 1e-5, baseline=load_run(tmp_path / "a"))
+    assert [c.passed for c in forced] == [None, True]
+
+
+def test_unequal_lengths_are_reported_not_crashed_on(tmp_path):
+    make_run(tmp_path, "0", cp=1, steps=10)
+    make_run(tmp_path, "1", cp=2, steps=6)
+    (base, short) = compare_all(find_runs([tmp_path]), 1e-5)
+    assert short.passed is False and short.steps_compared == 6
+    assert "logged 6 steps, baseline 10" in short.notes[0]
+    assert "logged 6 steps, baseline 10" in render_markdown([base, short], 1e-5)
+
+
+def test_missing_metrics_are_reported_not_crashed_on(tmp_path):
+    make_run(tmp_path, "0", cp=1, mtp=True)
+    make_run(tmp_path, "1", cp=2, mtp=True, drop=("mtp_loss",))
+    make_run(tmp_path, "2", cp=2, mtp=True, drop=("grad_norm",))
+    results = compare_all(find_runs([tmp_path]), 1e-5)
+    assert [c.passed for c in results] == [None, False, False]
+    report = render_markdown(results, 1e-5)
+    assert "missing in run" in report and "mtp_loss is missing in the run" in report
+    # A metric neither side logged is simply not compared.
+    make_run(tmp_path / "x", "0", cp=1)
+    make_run(tmp_path / "x", "1", cp=2)
+    assert all_passed(compare_all(find_runs([tmp_path / "x"]), 1e-5))
+
+
+def test_compare_runs_script_exit_codes(tmp_path):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    make_run(good, "0", cp=1)
+    make_run(good, "1", cp=2, shift=1e-9)
+    make_run(bad, "0", cp=1)
+    make_run(bad, "1", cp=2, shift=1e-2)
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, str(SCRIPT), *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    ok = run(good / "0", good / "1", "--plot", tmp_path / "p.png")
+    assert ok.returncode == 0, ok.stderr
+    assert "**PASS**" in ok.stdout and (tmp_path / "p.png").stat().st_size > 10_000
+    failing = run(bad / "1", "--baseline", bad / "0")
+    assert failing.returncode == 1 and "**FAIL**" in failing.stdout
+    assert run(bad / "1", "--rtol", "0.5", "--baseline", bad / "0").returncode == 0
+    assert run(tmp_path / "nowhere").returncode == 2
+    nothing = run(good / "1")  # a cp=2 run alone has no baseline
+    assert nothing.returncode == 1 and "nothing was compared" in nothing.stderr
+
+
+@pytest.mark.distributed
+def test_a_multirun_sweep_ends_in_a_parity_report(tmp_path):
+    from tests.conftest import TINY
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["WANDB_MODE"] = "disabled"
+    sweep = tmp_path / "sweep"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "-m",
+            *TINY,
+            "trainer.max_steps=3",
+            "cp=1,2",
+            "model.position_embedding_type=rope,learned_absolute",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    job_dirs = sorted(p.parent.name for p in sweep.rglob("metrics.jsonl"))
+    assert job_dirs == ["0", "1", "2", "3"], "one directory per job"
+    report = (sweep / "parity_report.md").read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r.rsplit("|", 2)[1].strip() for r in rows[1:]] == [
+        "baseline",
+        "baseline",
+        "**PASS**",
+        "**PASS**",
+    ]
+    assert "2 passed, 0 failed" in report
+    assert (sweep / "loss_curves.png").stat().st_size > 10_000
