@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from recipe.cp_shard import zigzag_index
+from recipe.cp_shard import global_to_gathered_index, zigzag_index
 from recipe.distributed import all_gather_with_sum_backward
 
 
@@ -80,11 +80,7 @@ def gather_global_stream(
     """All-gather a per-token tensor over CP and undo the zigzag (differentiable)."""
     cp_size = torch.distributed.get_world_size(cp_group)
     gathered = all_gather_with_sum_backward(local, cp_group)  # rank-major concatenation
-    order = torch.cat([zigzag_index(cu_seqlens_padded, cp_size, r) for r in range(cp_size)])
-    # order[j] is the global index of gathered row j; invert it to read rows in global order.
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel())
-    return gathered.index_select(0, inverse.to(local.device))
+    return gathered.index_select(0, global_to_gathered_index(cu_seqlens_padded, cp_size))
 
 
 class PackedCausalAttention(MegatronModule):

@@ -33,12 +33,11 @@ def _longest_first(sizes: list[int], bins: int) -> list[list[int]]:
 
 
 def split_across_ranks(lengths: list[int], dp_size: int, alignment: int) -> list[list[int]]:
-    """Balance a step's sequences (indices) over data-parallel ranks by padded tokens."""
-    if dp_size > len(lengths):
-        raise ValueError(
-            f"a step has {len(lengths)} sequences, fewer than parallel.dp={dp_size} ranks; "
-            "raise batching.tokens_per_step or lower parallel.dp"
-        )
+    """Balance a step's sequences (indices) over data-parallel ranks by padded tokens.
+
+    A step with fewer sequences than ranks leaves some ranks empty: they contribute zero gradient,
+    and since the loss is normalised by the global token count the update stays exact.
+    """
     return _longest_first([aligned_length(n, alignment) for n in lengths], dp_size)
 
 

@@ -44,6 +44,8 @@ class Run:
     metrics: list[dict]
     config: dict[str, object] = field(default_factory=dict)
     """Flattened resolved config (`a.b.c` keys), empty when the run has no .hydra/config.yaml."""
+    notes: list[str] = field(default_factory=list)
+    """What loading had to work around (a truncated last line)."""
 
     @property
     def cp(self) -> int | None:
@@ -71,17 +73,23 @@ def load_run(path: str | Path) -> Run:
     metrics_file = path / METRICS_FILE
     if not metrics_file.exists():
         raise FileNotFoundError(f"{path} has no {METRICS_FILE}: not a run directory")
-    metrics = []
-    for line in metrics_file.read_text().splitlines():
-        if line.strip():
+    metrics, notes = [], []
+    lines = [line for line in metrics_file.read_text().splitlines() if line.strip()]
+    for number, line in enumerate(lines, start=1):
+        try:
             metrics.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # a run killed while writing its last line
+                notes.append(f"ignored a truncated last line ({number}) of {METRICS_FILE}")
+                continue
+            raise ValueError(f"{metrics_file}:{number} is not JSON: {err}") from err
     config = {}
     config_file = path / ".hydra" / "config.yaml"
     if config_file.exists():
         from omegaconf import OmegaConf
 
         config = _flatten(OmegaConf.to_container(OmegaConf.load(config_file), resolve=False))
-    return Run(path=path, metrics=metrics, config=config)
+    return Run(path=path, metrics=metrics, config=config, notes=notes)
 
 
 def find_runs(paths: list[str | Path]) -> list[Run]:
@@ -115,7 +123,7 @@ def _identity(run: Run) -> tuple:
 def pick_baselines(runs: list[Run], baseline: Run | None = None) -> list[Run | None]:
     """For each run its baseline (None when there is none, or for the baseline itself)."""
     if baseline is not None:
-        return [None if r.path == baseline.path else baseline for r in runs]
+        return [None if r.path.resolve() == baseline.path.resolve() else baseline for r in runs]
     references: dict[tuple, Run] = {}
     for run in runs:
         if run.is_reference_layout:
@@ -177,8 +185,8 @@ def compare(
     run: Run, baseline: Run | None, rtol: float, metrics: tuple[str, ...] = DEFAULT_METRICS
 ) -> Comparison:
     if baseline is None:
-        return Comparison(run, None, [], 0, None, [])
-    notes, diffs, ok = [], [], True
+        return Comparison(run, None, [], 0, None, list(run.notes))
+    notes, diffs, ok = list(run.notes), [], True
     run_steps = {int(m["step"]) for m in run.metrics}
     base_steps = {int(m["step"]) for m in baseline.metrics}
     if run_steps != base_steps:
@@ -240,7 +248,10 @@ def _fmt(value: float | None, spec: str = ".3e") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def render_markdown(comparisons: list[Comparison], rtol: float) -> str:
+def render_markdown(
+    comparisons: list[Comparison], rtol: float, failures: list[tuple[str, str]] = ()
+) -> str:
+    """The parity table; `failures` are (job, error) of jobs that crashed, listed as FAIL."""
     runs = [c.run for c in comparisons]
     labels = run_labels(runs)
     metrics = [
@@ -263,7 +274,8 @@ def render_markdown(comparisons: list[Comparison], rtol: float) -> str:
             verdict = (
                 "baseline"
                 if any(
-                    o.baseline is not None and o.baseline.path == c.run.path for o in comparisons
+                    o.baseline is not None and o.baseline.path.resolve() == c.run.path.resolve()
+                    for o in comparisons
                 )
                 else "no baseline"
             )
@@ -289,12 +301,20 @@ def render_markdown(comparisons: list[Comparison], rtol: float) -> str:
                 "**PASS**" if c.passed else "**FAIL**",
             ]
         lines.append("| " + " | ".join(row) + " |")
+    logged = {c.run.path.name for c in comparisons}
+    for job, _ in failures:
+        if job in logged:  # it logged some steps: its row above already shows the shortfall
+            continue
+        cells = [job, "-", "-"] + ["-"] * (3 * len(metrics)) + ["-", "**FAIL** (job failed)"]
+        lines.append("| " + " | ".join(cells) + " |")
     notes = [f"- {labels[c.run.path]}: {n}" for c in comparisons for n in c.notes]
+    notes += [f"- job {job} failed: {error}" for job, error in failures]
     if notes:
         lines += ["", "Notes:", *notes]
     compared = [c for c in comparisons if c.passed is not None]
-    failed = [c for c in compared if not c.passed]
-    lines += ["", f"{len(compared) - len(failed)} passed, {len(failed)} failed"]
+    failed = {c.run.path.name for c in compared if not c.passed} | {job for job, _ in failures}
+    passed = len([c for c in compared if c.passed])
+    lines += ["", f"{passed} passed, {len(failed)} failed"]
     return "\n".join(lines) + "\n"
 
 
@@ -352,15 +372,16 @@ def write_report(
     out_dir: str | Path,
     rtol: float,
     baseline: Run | None = None,
-    plot_path: str | Path | None = None,
+    failures: list[tuple[str, str]] = (),
 ) -> tuple[str, bool]:
-    """Write the markdown report (and the plot) for `runs`; returns (report, all passed)."""
+    """Write the markdown report and the plot for `runs` (and jobs that failed); returns
+    (report, all passed)."""
     out_dir = Path(out_dir)
     comparisons = compare_all(runs, rtol, baseline)
-    report = render_markdown(comparisons, rtol)
+    report = render_markdown(comparisons, rtol, failures)
     (out_dir / REPORT_FILE).write_text(report)
-    plot_comparisons(comparisons, plot_path or out_dir / PLOT_FILE, title=str(out_dir))
-    return report, all_passed(comparisons)
+    plot_comparisons(comparisons, out_dir / PLOT_FILE, title=str(out_dir))
+    return report, all_passed(comparisons) and not failures
 
 
 def all_passed(comparisons: list[Comparison]) -> bool:

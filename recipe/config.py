@@ -165,11 +165,22 @@ class DataConfig:
     def __post_init__(self) -> None:
         _one_of("data.source", self.source, DATA_SOURCES)
         _require(self.max_seq_len >= 2, f"data.max_seq_len must be >= 2, got {self.max_seq_len}")
+        _require(self.seed >= 0, f"data.seed must be >= 0, got {self.seed}")
         _require(
             0 < self.eval_fraction < 1,
             f"data.eval_fraction must be in (0, 1), got {self.eval_fraction}",
         )
         _positive("data.max_eval_tokens", self.max_eval_tokens)
+        if self.source == "markov":
+            # BOS + at most max_doc_len symbols (the final '.' included) + EOS.
+            longest = self.markov.max_doc_len + 2
+            _require(
+                longest <= self.max_seq_len,
+                f"data.markov.max_doc_len={self.markov.max_doc_len} gives documents of up to "
+                f"{longest} tokens, more than data.max_seq_len={self.max_seq_len}: they would be "
+                f"cut and the entropy floor would no longer be exact; raise data.max_seq_len to "
+                f"{longest} or lower data.markov.max_doc_len",
+            )
         if self.source == "files":
             _require(
                 bool(self.path),
@@ -277,6 +288,7 @@ class OptimConfig:
             0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
             f"optim.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}",
         )
+        _positive("optim.eps", self.eps)
         _require(
             self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}"
         )

@@ -129,7 +129,7 @@ def shard_tensors(
     }
 
 
-def _global_to_flat_local(cu_seqlens_padded: Tensor, cp_size: int) -> Tensor:
+def global_to_gathered_index(cu_seqlens_padded: Tensor, cp_size: int) -> Tensor:
     """For each global token, its position in the concatenation of all ranks' local streams."""
     lengths = _padded_seqlens(cu_seqlens_padded, cp_size)
     total = int(cu_seqlens_padded[-1])
@@ -170,7 +170,7 @@ def unshard(
         _padded_seqlens(cu_seqlens_padded, cp_size)
         return local_tensors[0].clone()
     flat = torch.cat(list(local_tensors), dim=token_dim)
-    return flat.index_select(token_dim, _global_to_flat_local(cu_seqlens_padded, cp_size))
+    return flat.index_select(token_dim, global_to_gathered_index(cu_seqlens_padded, cp_size))
 
 
 def real_token_mask(

@@ -133,12 +133,6 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     tokenizer = ByteTokenizer()
     chain = None
     if cfg.source == "markov":
-        if cfg.markov.max_doc_len + 3 > cfg.max_seq_len:
-            raise ConfigError(
-                f"data.markov.max_doc_len={cfg.markov.max_doc_len} needs data.max_seq_len >= "
-                f"{cfg.markov.max_doc_len + 3} (BOS, '.', EOS) so documents are never cut and the "
-                f"entropy floor stays exact; got data.max_seq_len={cfg.max_seq_len}"
-            )
         train_docs, eval_docs, chain = _markov_documents(cfg)
     else:
         docs = _pydoc_documents() if cfg.source == "pydoc" else _file_documents(cfg)

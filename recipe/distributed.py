@@ -100,7 +100,8 @@ def shutdown_distributed() -> None:
 
 
 def gradient_group():
-    """Gradients are averaged over data-parallel x context-parallel ranks."""
+    """Gradients are summed over data-parallel x context-parallel ranks (the loss is already
+    divided by the global token count, so the sum is the full-batch gradient)."""
     from megatron.core import parallel_state
 
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -120,12 +121,18 @@ def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def all_reduce_gradients(parameters, group) -> None:
-    """Sum gradients over `group` (bucketed into one flat buffer to keep gloo calls few)."""
+    """Sum gradients over `group` (bucketed into one flat buffer to keep gloo calls few).
+
+    A rank that saw no tokens this step has no gradients yet; it joins with zeros so every rank
+    reduces a buffer of the same layout.
+    """
     if dist.get_world_size(group) == 1:
         return
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return
+    params = [p for p in parameters if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     offset = 0

@@ -20,10 +20,7 @@ from recipe.config import ConfigError, TrainConfig
 
 def to_typed(cfg: DictConfig) -> TrainConfig:
     """Validate and convert once; raises ConfigError naming the field and the fix."""
-    typed = OmegaConf.to_object(cfg)
-    if not isinstance(typed, TrainConfig):  # composed without the schema
-        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
-    return typed
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
 
 
 def _adopt_slurm_environment() -> None:
@@ -83,8 +80,8 @@ def check_launchable(cfg: TrainConfig) -> None:
 def launch_world(cfg: TrainConfig, entrypoint=_worker) -> dict:
     """Start cfg.world_size local ranks running `entrypoint(cfg)`; returns rank 0's result.
 
-    A rank that fails takes the others down at once (the agent watches every 0.1 s) and its
-    error is printed; the job then exits with status 1.
+    A rank that fails takes the others down at once (the agent watches every 0.1 s); its error
+    comes back as RanksFailed.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -104,12 +101,14 @@ def launch_world(cfg: TrainConfig, entrypoint=_worker) -> dict:
         results = elastic_launch(launch_cfg, entrypoint=entrypoint)(cfg)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
-        print(
-            f"rank {rank} failed (exit code {failure.exitcode}):\n{_failure_text(failure)}",
-            file=sys.stderr,
-        )
-        raise SystemExit(1) from None
+        raise RanksFailed(
+            f"rank {rank} failed (exit code {failure.exitcode}):\n{_failure_text(failure)}"
+        ) from None
     return results[0]
+
+
+class RanksFailed(RuntimeError):
+    """A self-launched rank failed; the message carries its traceback."""
 
 
 def _failure_text(failure) -> str:
@@ -126,23 +125,27 @@ def run(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
 
     quiet_libraries()
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN"
     try:
         typed = to_typed(cfg)
         if typed.world_size > 1 and not launched_externally():
             check_launchable(typed)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    hydra_cfg = HydraConfig.get()
-    typed.output_dir = hydra_cfg.runtime.output_dir
-    if hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN":
-        group_sweep_in_wandb(typed, list(hydra_cfg.overrides.task))
-    if typed.world_size == 1 or launched_externally():
-        from recipe.trainer import train
+        typed.output_dir = hydra_cfg.runtime.output_dir
+        if multirun:
+            group_sweep_in_wandb(typed, list(hydra_cfg.overrides.task))
+        if typed.world_size == 1 or launched_externally():
+            from recipe.trainer import train
 
-        result = train(typed)
-    else:
-        result = launch_world(typed)
+            result = train(typed)
+        else:
+            result = launch_world(typed)
+    except (ConfigError, RanksFailed) as err:
+        if multirun:
+            raise  # Hydra marks the job failed; the sweep's parity report lists it
+        prefix = "config error: " if isinstance(err, ConfigError) else ""
+        print(f"{prefix}{err}", file=sys.stderr)
+        raise SystemExit(2 if isinstance(err, ConfigError) else 1) from None
     summary = result["summary"]
     if int(os.environ.get("RANK", "0")) == 0:
         print(_format_summary(summary, typed.output_dir))

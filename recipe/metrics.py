@@ -48,8 +48,9 @@ def summarize(
         "steps": len(history),
         "wall_time_s": wall_time_s,
     }
-    if history and "mtp_loss" in history[-1]:
-        summary["final_mtp_loss"] = sum(h["mtp_loss"] for h in last) / len(last)
+    mtp = [h["mtp_loss"] for h in last if h.get("mtp_loss") is not None]
+    if mtp:
+        summary["final_mtp_loss"] = sum(mtp) / len(mtp)
     return {k: _finite_or_none(v) for k, v in summary.items()}
 
 

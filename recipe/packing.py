@@ -50,6 +50,15 @@ class PackedBatch:
         """Every per-token tensor present; CP shards all of them with one index."""
         return {n: getattr(self, n) for n in self.PER_TOKEN if getattr(self, n) is not None}
 
+    def to(self, device) -> PackedBatch:
+        """Every tensor on `device`: Transformer Engine's kernels want cu_seqlens there too."""
+        moved = {k: v.to(device) for k, v in self.per_token().items()}
+        return self.replace(
+            **moved,
+            cu_seqlens=self.cu_seqlens.to(device),
+            cu_seqlens_padded=self.cu_seqlens_padded.to(device),
+        )
+
     def tokens_per_sequence_length(self) -> torch.Tensor:
         """[T] the real length of the sequence each token slot belongs to."""
         return torch.repeat_interleave(self.cu_seqlens.diff(), self.cu_seqlens_padded.diff())

@@ -2,47 +2,63 @@
 
 Jobs run one after another with Hydra's basic launcher, each in its own numbered directory and
 each launching its own ranks. The callback remembers every job's directory as it finishes and, when
-the sweep ends, writes `parity_report.md` and `loss_curves.png` into the sweep directory.
+the sweep ends, writes `parity_report.md` and `loss_curves.png` into the sweep directory. A failed
+job stops the sweep; the report is then written at once, with the failure in it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from recipe.compare import find_runs, write_report
+from recipe.metrics import METRICS_FILE
 
 
 class ParityReportCallback(Callback):
     def __init__(self) -> None:
         self.job_dirs: list[Path] = []
+        self.failures: list[tuple[str, str]] = []
+        self.compare_cfg = None
 
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
-        output_dir = config.hydra.runtime.output_dir
-        if (Path(output_dir) / "metrics.jsonl").exists():
-            self.job_dirs.append(Path(output_dir))
+        output_dir = Path(config.hydra.runtime.output_dir)
+        self.compare_cfg = config.compare
+        if (output_dir / METRICS_FILE).exists():
+            self.job_dirs.append(output_dir)
+        if job_return.status == JobStatus.FAILED:
+            error = str(job_return._return_value).strip().splitlines()
+            self.failures.append((output_dir.name, error[0] if error else "unknown error"))
+            self._write(output_dir.parent)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        if not self.job_dirs:
+        if self.job_dirs:
+            self._write(self.job_dirs[0].parent)
+        else:
             print("parity report: no job wrote metrics, nothing to compare")
-            return
-        sweep_dir = self.job_dirs[0].parent
-        runs = find_runs(self.job_dirs)
-        baseline_choice = str(config.compare.baseline)
+
+    def _write(self, sweep_dir: Path) -> None:
+        runs = find_runs(self.job_dirs) if self.job_dirs else []
+        choice = str(self.compare_cfg.baseline)
         baseline = None
-        if baseline_choice != "auto":
-            matches = [r for r in runs if r.path.name == baseline_choice]
+        if choice != "auto":
+            matches = [r for r in runs if r.path.name == choice]
             if not matches:
                 print(
-                    f"parity report: compare.baseline={baseline_choice} is not a job of this "
-                    f"sweep (jobs: {', '.join(r.path.name for r in runs)})"
+                    f"parity report: compare.baseline={choice} is not a job of this sweep "
+                    f"(jobs: {', '.join(r.path.name for r in runs)})"
                 )
                 return
             baseline = matches[0]
         report, passed = write_report(
-            runs, sweep_dir, rtol=float(config.compare.rtol), baseline=baseline
+            runs,
+            sweep_dir,
+            rtol=float(self.compare_cfg.rtol),
+            baseline=baseline,
+            failures=self.failures,
         )
         print(report)
         verdict = "all PASS" if passed else "some FAIL"

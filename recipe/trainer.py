@@ -76,9 +76,7 @@ def plan_step(
             )
             batch = batch.replace(mtp_mask=masks)
         local = shard_batch(batch, layout.cp_size, layout.cp_rank, cfg.cp.preprocess)
-        micro_batches.append(
-            local.replace(**{k: v.to(device) for k, v in local.per_token().items()})
-        )
+        micro_batches.append(local.to(device))
     return StepWork(
         micro_batches=micro_batches,
         global_predicted_tokens=sum(n - 1 for n in lengths),
@@ -124,10 +122,12 @@ def mtp_metrics(sums: list[float], counts: list[int], lm_loss: float, scale: flo
     with one layer it is exactly lm_loss + scale * mtp_loss."""
     if not counts:
         return {"loss": lm_loss}
-    means = [s / n if n else float("nan") for s, n in zip(sums, counts)]
+    means = [s / n if n else None for s, n in zip(sums, counts)]
+    known = [m for m in means if m is not None]
     metrics = {
         "loss": lm_loss + scale * sum(sums) / len(sums) / counts[0] if counts[0] else lm_loss,
-        "mtp_loss": sum(means) / len(means),
+        # None when no sequence of the step was long enough to give MTP a target.
+        "mtp_loss": sum(known) / len(known) if known else None,
     }
     if len(means) > 1:
         metrics.update({f"mtp_loss_{k + 1}": m for k, m in enumerate(means)})

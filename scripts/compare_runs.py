@@ -44,8 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = find_runs(args.runs)
         baseline = load_run(args.baseline) if args.baseline else None
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.rtol <= 0:
+        print(f"error: --rtol must be > 0, got {args.rtol}", file=sys.stderr)
         return 2
     if baseline is not None and all(r.path.resolve() != baseline.path.resolve() for r in runs):
         runs = [baseline, *runs]

@@ -81,3 +81,15 @@ def lone_world(seed: int = 0):
         yield layout
     finally:
         distributed.shutdown_distributed()
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only where CUDA is present."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

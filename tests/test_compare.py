@@ -167,3 +167,33 @@ def test_a_multirun_sweep_ends_in_a_parity_report(tmp_path):
     ]
     assert "2 passed, 0 failed" in report
     assert (sweep / "loss_curves.png").stat().st_size > 10_000
+
+
+def test_failed_jobs_and_truncated_metrics_are_reported(tmp_path):
+    from recipe.compare import write_report
+
+    make_run(tmp_path, "0", cp=1)
+    partial = make_run(tmp_path, "1", cp=2, steps=5)
+    with open(partial / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lm_lo')  # killed mid-write
+    runs = find_runs([tmp_path])
+    report, passed = write_report(runs, tmp_path, 1e-5, failures=[("2", "RanksFailed: boom")])
+    assert not passed
+    assert "ignored a truncated last line (6)" in report
+    assert "| 2 | - |" in report and "**FAIL** (job failed)" in report
+    assert "job 2 failed: RanksFailed: boom" in report
+    assert "1 passed, 1 failed" in report
+
+
+def test_baseline_given_by_another_spelling_of_its_path(tmp_path, monkeypatch):
+    make_run(tmp_path, "a", cp=1)
+    make_run(tmp_path, "b", cp=2)
+    monkeypatch.chdir(tmp_path)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "a", "b", "--baseline", str(tmp_path / "a")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0
+    assert "1 passed, 0 failed" in result.stdout, "the baseline is not compared with itself"

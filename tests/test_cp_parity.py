@@ -72,3 +72,13 @@ def test_negative_control_verl_legacy_fails_parity():
     history = _run("learned_absolute", ["cp=2", "cp.preprocess=verl_legacy"])
     gap = _relative_gap(_reference("learned_absolute"), history, "lm_loss")
     assert gap > 100 * RTOL, f"the pre-fix formula should break parity, gap was {gap:.2e}"
+
+
+def test_data_parallel_ranks_without_sequences_keep_parity():
+    """Steps with fewer sequences than dp ranks leave a rank idle; the update must not change."""
+    small_steps = [*COMMON, "batching.tokens_per_step=128", "trainer.max_steps=6"]
+    reference = train(typed_config(small_steps))["history"]
+    history = launch_world(typed_config([*small_steps, "parallel.dp=4"]))["history"]
+    assert any(h["micro_batches"] < 4 for h in history), "some step must leave a rank idle"
+    assert _relative_gap(reference, history, "lm_loss") < RTOL
+    assert _relative_gap(reference, history, "grad_norm") < RTOL

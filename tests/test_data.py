@@ -106,9 +106,20 @@ def test_default_markov_corpus_has_a_wide_learnable_gap():
 
 
 def test_markov_cap_must_fit_in_a_sequence():
-    cfg = DataConfig(max_seq_len=100, markov=MarkovConfig(max_doc_len=200))
-    with pytest.raises(ConfigError, match="data.max_seq_len"):
-        load_corpus(cfg)
+    with pytest.raises(ConfigError, match="up to 202 tokens, more than data.max_seq_len=201"):
+        DataConfig(max_seq_len=201, markov=MarkovConfig(max_doc_len=200))
+    # The bound is tight: BOS + 200 symbols + EOS fit exactly, and no document is ever cut.
+    cfg = DataConfig(
+        max_seq_len=202,
+        markov=MarkovConfig(
+            max_doc_len=200, mean_doc_len=150, num_train_docs=300, num_eval_docs=20
+        ),
+    )
+    corpus = load_corpus(cfg)
+    assert max(len(s) for s in corpus.train) == 202
+    assert all(
+        s[0] == corpus.tokenizer.bos_id and s[-1] == corpus.tokenizer.eos_id for s in corpus.train
+    )
 
 
 def test_pydoc_source_is_real_english_text():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from recipe.config import ConfigError
-from recipe.launch import check_launchable, launch_world, max_local_ranks
+from recipe.launch import RanksFailed, check_launchable, launch_world, max_local_ranks
 from tests.conftest import TINY, typed_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,12 +34,11 @@ def _fail_on_rank_1_while_rank_0_waits(cfg):
 def test_a_failing_rank_ends_the_job_promptly_with_its_error(capfd):
     cfg = typed_config(["cp=2"])
     start = time.monotonic()
-    with pytest.raises(SystemExit) as info:
+    with pytest.raises(RanksFailed) as info:
         launch_world(cfg, entrypoint=_fail_on_rank_1_while_rank_0_waits)
-    assert info.value.code == 1
     assert time.monotonic() - start < 60
-    err = capfd.readouterr().err
-    assert "rank 1 failed" in err and "injected failure on rank 1" in err
+    assert "rank 1 failed" in str(info.value)
+    assert "injected failure on rank 1" in str(info.value)
 
 
 def test_too_many_ranks_for_the_machine_is_refused_before_launch():

@@ -1,0 +1,33 @@
+"""GPU checks (skipped without CUDA): Transformer Engine attention and nccl ranks agree with the
+recipe's own attention and with cp=1."""
+
+from __future__ import annotations
+
+import pytest
+
+from recipe.launch import launch_world
+from recipe.trainer import train
+from tests.conftest import typed_config
+
+pytestmark = pytest.mark.gpu
+
+COMMON = ["trainer.max_steps=3", "model.position_embedding_type=learned_absolute"]
+
+
+def test_te_backend_matches_the_torch_backend():
+    pytest.importorskip("transformer_engine")
+    torch_run = train(typed_config(COMMON + ["model.attention_backend=torch"]))["history"]
+    te_run = train(typed_config(COMMON + ["model.attention_backend=te"]))["history"]
+    for a, b in zip(torch_run, te_run):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-3)
+
+
+def test_cp2_on_nccl_matches_cp1():
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    reference = train(typed_config(COMMON))["history"]
+    history = launch_world(typed_config(COMMON + ["cp=2"]))["history"]
+    for a, b in zip(reference, history):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-3)
