@@ -52,20 +52,30 @@ def typed_config(overrides: list[str] | None = None, tiny: bool = True, output_d
     return cfg
 
 
+RANK_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+)
+
+
 @pytest.fixture(autouse=True)
-def _no_inherited_rank_env(monkeypatch):
-    """A test process is a lone rank unless a test says otherwise."""
-    for var in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "SLURM_PROCID",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("WANDB_MODE", os.environ.get("WANDB_MODE", "disabled"))
+def _isolated_environment():
+    """A test process is a lone rank unless a test says otherwise, and whatever a test (or the
+    code under test) writes into os.environ is undone afterwards."""
+    saved = dict(os.environ)
+    for var in RANK_VARIABLES:
+        os.environ.pop(var, None)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @contextlib.contextmanager
