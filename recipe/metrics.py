@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -78,7 +79,16 @@ class RunLogger(NullLogger):
         if cfg.trainer.progress_bar:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+            # In a log file (CI, SLURM) every refresh is another line's worth of text: refresh
+            # rarely there, often on a terminal.
+            interactive = sys.stderr.isatty()
+            self._bar = tqdm(
+                total=total_steps,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                mininterval=0.1 if interactive else 30.0,
+            )
         self._log_every = cfg.trainer.log_every
         self._wandb = self._start_wandb(cfg)
 

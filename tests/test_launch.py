@@ -157,3 +157,15 @@ def test_only_rank_0_gets_a_hydra_run_directory():
     assert "hydra.run.dir=." in single_run_dir_for_rank(
         args, {"SLURM_PROCID": "2", "MASTER_ADDR": "n1"}
     )
+
+
+def test_sweep_jobs_share_a_wandb_group_and_carry_their_overrides_as_tags(tmp_path):
+    from recipe.launch import group_sweep_in_wandb
+
+    cfg = typed_config(output_dir=tmp_path / "multirun" / "2026-12-01" / "10-00-00" / "3")
+    group_sweep_in_wandb(cfg, ["cp='2'", "mtp=on", "hydra.verbose=true"])
+    assert cfg.logger.wandb.group == "sweep-2026-12-01-10-00-00"
+    assert cfg.logger.wandb.tags == ["cp='2'", "mtp=on"]
+    other = typed_config(output_dir=tmp_path / "multirun" / "2026-12-01" / "10-00-00" / "4")
+    group_sweep_in_wandb(other, ["cp='1'"])
+    assert other.logger.wandb.group == cfg.logger.wandb.group
