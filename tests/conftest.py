@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,8 @@ from recipe.config import register_configs
 from recipe.launch import to_typed
 from recipe.overrides import quote_numeric_group_choices
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = str(ROOT / "conf")
 
 # Tiny model and data: real code paths, seconds per run.
 TINY = [
@@ -36,6 +39,32 @@ TINY = [
     "optim.warmup_steps=2",
     "logger.wandb.mode=disabled",
 ]
+
+
+# Short sequences in many micro-batches: keep four ranks on two cores fast in parity tests.
+SHORT_SEQUENCES = [
+    "data.max_seq_len=128",
+    "data.markov.max_doc_len=120",
+    "data.markov.mean_doc_len=40",
+    "batching.tokens_per_step=512",
+    "batching.max_tokens_per_rank=256",
+    "data.max_eval_tokens=512",
+    "trainer.eval_every=0",
+]
+
+
+def run_train_cli(args, cwd, timeout=300, launcher=()):
+    """`python [LAUNCHER] train.py TINY ARGS` in a clean environment, as a user would run it."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+    env["WANDB_MODE"] = "disabled"
+    return subprocess.run(
+        [sys.executable, *launcher, str(ROOT / "train.py"), *TINY, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def compose_config(overrides: list[str] | None = None, tiny: bool = True):

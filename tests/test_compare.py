@@ -4,7 +4,6 @@ real (tiny) multirun sweep that must end in a report."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -132,26 +131,18 @@ def test_compare_runs_script_exit_codes(tmp_path):
 
 @pytest.mark.distributed
 def test_a_multirun_sweep_ends_in_a_parity_report(tmp_path):
-    from tests.conftest import TINY
+    from tests.conftest import run_train_cli
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["WANDB_MODE"] = "disabled"
     sweep = tmp_path / "sweep"
-    result = subprocess.run(
+    result = run_train_cli(
         [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "-m",
-            *TINY,
             "trainer.max_steps=3",
             "cp=1,2",
             "model.position_embedding_type=rope,learned_absolute",
             f"hydra.sweep.dir={sweep}",
+            "-m",  # after the overrides: argparse cannot interleave it with them
         ],
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]

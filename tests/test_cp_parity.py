@@ -12,23 +12,13 @@ import pytest
 
 from recipe.launch import launch_world
 from recipe.trainer import train
-from tests.conftest import typed_config
+from tests.conftest import SHORT_SEQUENCES, typed_config
 
 pytestmark = pytest.mark.distributed
 
 RTOL = 1e-5
 STEPS = 3
-# Short sequences in many micro-batches keep four ranks on two cores fast.
-COMMON = [
-    f"trainer.max_steps={STEPS}",
-    "data.max_seq_len=128",
-    "data.markov.max_doc_len=120",
-    "data.markov.mean_doc_len=40",
-    "batching.tokens_per_step=512",
-    "batching.max_tokens_per_rank=256",
-    "data.max_eval_tokens=512",
-    "trainer.eval_every=0",
-]
+COMMON = [f"trainer.max_steps={STEPS}", *SHORT_SEQUENCES]
 
 _reference_cache: dict[str, list[dict]] = {}
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import pytest
 
 from recipe.config import ConfigError
 from recipe.launch import RanksFailed, check_launchable, launch_world, max_local_ranks
-from tests.conftest import TINY, typed_config
+from tests.conftest import run_train_cli, typed_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,22 +46,9 @@ def test_too_many_ranks_for_the_machine_is_refused_before_launch():
     check_launchable(typed_config(["cp=2"]))  # a sane size passes
 
 
-def _train_cli(args, cwd, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["WANDB_MODE"] = "disabled"
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *TINY, *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 @pytest.mark.distributed
 def test_cli_cp2_self_launches_into_exactly_one_output_directory(tmp_path):
-    result = _train_cli(["cp=2", "trainer.max_steps=3"], cwd=tmp_path)
+    result = run_train_cli(["cp=2", "trainer.max_steps=3"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dirs = {p.parent for p in tmp_path.rglob("metrics.jsonl")}
     assert len(run_dirs) == 1
@@ -76,7 +61,7 @@ def test_cli_cp2_self_launches_into_exactly_one_output_directory(tmp_path):
 
 
 def test_cli_bad_config_exits_2_with_the_field_named(tmp_path):
-    result = _train_cli(["model.hidden_size=33"], cwd=tmp_path, timeout=120)
+    result = run_train_cli(["model.hidden_size=33"], cwd=tmp_path, timeout=120)
     assert result.returncode == 2
     assert "config error: model.hidden_size=33" in result.stderr
     assert not list(tmp_path.rglob("metrics.jsonl"))
@@ -87,7 +72,7 @@ def test_cli_data_files_trains_on_a_local_jsonl(tmp_path):
     data.write_text(
         "".join(json.dumps({"text": f"line {i} of a tiny corpus. " * 8}) + "\n" for i in range(40))
     )
-    result = _train_cli(
+    result = run_train_cli(
         [
             "data=files",
             "data.path=json",
@@ -119,26 +104,10 @@ def test_launcher_environment_is_used_when_present(monkeypatch):
 
 @pytest.mark.distributed
 def test_torchrun_ranks_share_one_output_directory(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["WANDB_MODE"] = "disabled"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--standalone",
-            str(ROOT / "train.py"),
-            *TINY,
-            "cp=2",
-            "trainer.max_steps=2",
-        ],
+    result = run_train_cli(
+        ["cp=2", "trainer.max_steps=2"],
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        launcher=["-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"],
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(list(tmp_path.rglob("metrics.jsonl"))) == 1

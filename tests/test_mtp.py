@@ -10,20 +10,11 @@ from recipe.launch import launch_world
 from recipe.mtp import global_mtp_token_counts, mtp_label_masks
 from recipe.packing import pack_sequences
 from recipe.trainer import train
-from tests.conftest import lone_world, typed_config
+from tests.conftest import SHORT_SEQUENCES, lone_world, typed_config
 
 RTOL = 1e-5
 STEPS = 3
-COMMON = [
-    f"trainer.max_steps={STEPS}",
-    "data.max_seq_len=128",
-    "data.markov.max_doc_len=120",
-    "data.markov.mean_doc_len=40",
-    "batching.tokens_per_step=512",
-    "batching.max_tokens_per_rank=256",
-    "data.max_eval_tokens=512",
-    "trainer.eval_every=0",
-]
+COMMON = [f"trainer.max_steps={STEPS}", *SHORT_SEQUENCES]
 
 
 def test_mtp_masks_stop_before_the_sequence_ends():
