@@ -148,3 +148,59 @@ def test_position_ids_policy(policy, mtp, pe, expected):
     overrides = [f"model.pass_position_ids={policy}", f"model.position_embedding_type={pe}"]
     cfg = typed_config(overrides + (["mtp=on"] if mtp else []))
     assert cfg.passes_position_ids is expected
+
+
+def _mtp_against_gathered_logits(cfg):
+    """On every rank: the recipe's MTP loss sum, and a reference computed by hand from the MTP
+    head's logits gathered back into full sequences (target of position p: token p+2)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from recipe import distributed
+    from recipe.cp_shard import unshard
+    from recipe.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+    from recipe.trainer import build_model, forward_loss_sum, plan_step
+
+    apply_cpu_compat()
+    layout = distributed.init_distributed(cp_size=cfg.cp.size)
+    try:
+        seed_model_parallel_rng(0)
+        model = build_model(cfg, 259)
+        gen = torch.Generator().manual_seed(0)
+        seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (37, 5, 64, 2, 23)]
+        work = plan_step(seqs, cfg, layout, pad_id=258, device=torch.device("cpu"))
+        (batch,) = work.micro_batches
+        logits = []
+        # Clone: megatron's cross entropy works on the logits in place.
+        hook = model.output_layer.register_forward_hook(
+            lambda m, i, o: logits.append(o[0].detach().clone())
+        )
+        with torch.no_grad():
+            _, mtp_sums = forward_loss_sum(model, batch, cfg.passes_position_ids)
+        hook.remove()
+        mtp_logits = logits[0][:, 0]  # the MTP head runs before the main head: [t_local, vocab]
+        cp, group = layout.cp_size, distributed.cp_group()
+        if cp > 1:
+            parts = [torch.empty_like(mtp_logits) for _ in range(cp)]
+            dist.all_gather(parts, mtp_logits.contiguous(), group=group)
+            mtp_logits = unshard(parts, batch.cu_seqlens_padded, cp)
+            dist.all_reduce(mtp_sums, group=group)
+        reference = 0.0
+        for seq, start in zip(seqs, batch.cu_seqlens_padded.tolist()):
+            for p in range(len(seq) - 2):
+                target = torch.tensor([seq[p + 2]])
+                reference += float(F.cross_entropy(mtp_logits[start + p][None], target))
+        return {"recipe": float(mtp_sums[0]), "reference": reference}
+    finally:
+        distributed.shutdown_distributed()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp", [1, 2])
+def test_mtp_loss_equals_a_reference_on_the_gathered_full_sequences(cp):
+    cfg = typed_config(
+        [*COMMON, "mtp=on", f"cp={cp}", "model.position_embedding_type=learned_absolute"]
+    )
+    result = launch_world(cfg, entrypoint=_mtp_against_gathered_logits)
+    assert result["reference"] > 0
+    assert result["recipe"] == pytest.approx(result["reference"], rel=1e-5)
