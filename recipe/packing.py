@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from recipe.batching import aligned_length
+from recipe.cp_shard import cu_seqlens_from_lengths, padded_lengths
 
 
 @dataclass
@@ -69,23 +69,15 @@ class PackedBatch:
         return PackedBatch(**values)
 
 
-def _cumulative(lengths: list[int]) -> torch.Tensor:
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
-    return out
-
-
 def pack_sequences(sequences: list[list[int]], alignment: int, pad_id: int) -> PackedBatch:
     """Pack whole sequences into one padded THD stream."""
     if not sequences:
         raise ValueError("cannot pack an empty list of sequences")
-    lengths = [len(s) for s in sequences]
-    padded = [aligned_length(n, alignment) for n in lengths]
-    cu_padded = _cumulative(padded)
+    lengths_t = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
+    padded_t = padded_lengths(lengths_t, alignment)
+    cu_padded = cu_seqlens_from_lengths(padded_t)
     total = int(cu_padded[-1])
     starts = cu_padded[:-1].to(torch.int64)
-    lengths_t = torch.tensor(lengths, dtype=torch.int64)
-    padded_t = torch.tensor(padded, dtype=torch.int64)
 
     seq_of_token = torch.repeat_interleave(torch.arange(len(sequences)), padded_t)
     position_ids = torch.arange(total) - starts[seq_of_token]
@@ -104,9 +96,9 @@ def pack_sequences(sequences: list[list[int]], alignment: int, pad_id: int) -> P
         position_ids=position_ids,
         labels=labels,
         loss_mask=has_label.to(torch.float32),
-        cu_seqlens=_cumulative(lengths),
+        cu_seqlens=cu_seqlens_from_lengths(lengths_t),
         cu_seqlens_padded=cu_padded,
-        max_seqlen=max(padded),
+        max_seqlen=int(padded_t.max()),
     )
 
 
