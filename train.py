@@ -10,14 +10,14 @@ import hydra
 from omegaconf import DictConfig
 
 from recipe.config import register_configs
-from recipe.overrides import quote_numeric_group_choices, single_run_dir_for_rank
+from recipe.launch.overrides import quote_numeric_group_choices, single_run_dir_for_rank
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from recipe.launch import run
+    from recipe.launch.task import run
 
     return run(cfg)
 

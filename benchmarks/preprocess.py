@@ -23,14 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipe.cp_shard import (
-    cu_seqlens_from_lengths,
-    padded_lengths,
-    real_token_mask,
-    verl_preprocess,
-    verl_shard_values,
-    zigzag_index,
-)
+from recipe.data.thd import cu_seqlens_from_lengths, padded_lengths
+from recipe.parallel.cp.verl import verl_preprocess, verl_shard_values
+from recipe.parallel.cp.zigzag import real_token_mask, zigzag_index
 
 MIN_SPEEDUP_OVER_VERL = 10.0
 MAX_SLOWDOWN_OVER_FLOOR = 3.0

@@ -12,8 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from recipe.config import register_configs
-from recipe.launch import to_typed
-from recipe.overrides import quote_numeric_group_choices
+from recipe.launch.overrides import quote_numeric_group_choices
+from recipe.launch.task import to_typed
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = str(ROOT / "conf")
@@ -110,8 +110,8 @@ def _isolated_environment():
 @contextlib.contextmanager
 def lone_world(seed: int = 0):
     """A world of one process with megatron's parallel state, for building models in tests."""
-    from recipe import distributed
-    from recipe.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+    from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+    from recipe.parallel import groups as distributed
 
     apply_cpu_compat()
     layout = distributed.init_distributed()

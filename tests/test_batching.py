@@ -6,13 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recipe.batching import (
+from recipe.data.batching import (
     StepStream,
-    aligned_length,
     plan_micro_batches,
     split_across_ranks,
 )
-from recipe.packing import pack_sequences
+from recipe.data.packing import pack_sequences
+from recipe.data.thd import aligned_length
 
 PAD = 999
 lengths_st = st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=40)

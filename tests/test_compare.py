@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipe.compare import all_passed, compare_all, find_runs, load_run, render_markdown
+from recipe.compare.diff import all_passed, compare_all
+from recipe.compare.report import render_markdown
+from recipe.compare.runs import find_runs, load_run
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "compare_runs.py"
@@ -161,7 +163,7 @@ def test_a_multirun_sweep_ends_in_a_parity_report(tmp_path):
 
 
 def test_failed_jobs_and_truncated_metrics_are_reported(tmp_path):
-    from recipe.compare import write_report
+    from recipe.compare.report import write_report
 
     make_run(tmp_path, "0", cp=1)
     partial = make_run(tmp_path, "1", cp=2, steps=5)

@@ -8,7 +8,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from recipe.config import ConfigError, TrainConfig
-from recipe.overrides import quote_numeric_group_choices
+from recipe.launch.overrides import quote_numeric_group_choices
 from tests.conftest import CONF_DIR, typed_config
 
 GROUPS = ["model", "data", "cp", "mtp", "vision", "optim", "trainer", "logger"]
@@ -112,7 +112,7 @@ def test_every_experiment_composes_and_sweeps_something(experiment):
     from hydra import compose, initialize_config_dir
 
     from recipe.config import register_configs
-    from recipe.launch import to_typed
+    from recipe.launch.task import to_typed
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

@@ -1,4 +1,4 @@
-"""Tests for recipe.cp_shard: zigzag index math against verl's formula and megatron-core's RoPE."""
+"""recipe.parallel.cp: zigzag index math against verl's formula and megatron-core's RoPE."""
 
 from __future__ import annotations
 
@@ -9,16 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recipe.cp_shard import (
-    VERL_VARIANTS,
-    cu_seqlens_from_lengths,
+from recipe.data.thd import cu_seqlens_from_lengths, padded_lengths
+from recipe.parallel.cp.verl import VERL_VARIANTS, verl_preprocess, verl_shard_values
+from recipe.parallel.cp.zigzag import (
     index_preprocess,
-    padded_lengths,
     real_token_mask,
     shard_tensors,
     unshard,
-    verl_preprocess,
-    verl_shard_values,
     zigzag_index,
 )
 

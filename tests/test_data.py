@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from recipe.config import ConfigError, DataConfig, MarkovConfig
-from recipe.data import load_corpus, split_documents, tokenize
-from recipe.markov import END_CHAR, MarkovChain
-from recipe.tokenizer import ByteTokenizer, split_long
+from recipe.data.corpus import load_corpus, split_documents, tokenize
+from recipe.data.markov import END_CHAR, MarkovChain
+from recipe.data.tokenizer import ByteTokenizer, split_long
 
 TOK = ByteTokenizer()
 

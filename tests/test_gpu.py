@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from recipe.launch import launch_world
-from recipe.trainer import train
+from recipe.launch.local import launch_world
+from recipe.training.trainer import train
 from tests.conftest import typed_config
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from recipe.config import ConfigError
-from recipe.launch import RanksFailed, check_launchable, launch_world, max_local_ranks
+from recipe.launch.local import RanksFailed, check_launchable, launch_world, max_local_ranks
 from tests.conftest import run_train_cli, typed_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,7 +91,7 @@ def test_cli_data_files_trains_on_a_local_jsonl(tmp_path):
 
 
 def test_launcher_environment_is_used_when_present(monkeypatch):
-    from recipe.launch import launched_externally
+    from recipe.launch.environment import launched_externally
 
     assert not launched_externally()
     monkeypatch.setenv("SLURM_PROCID", "3")
@@ -115,7 +115,7 @@ def test_torchrun_ranks_share_one_output_directory(tmp_path):
 
 
 def test_only_rank_0_gets_a_hydra_run_directory():
-    from recipe.overrides import single_run_dir_for_rank
+    from recipe.launch.overrides import single_run_dir_for_rank
 
     args = ["cp=2"]
     assert single_run_dir_for_rank(args, {}) == args
@@ -129,7 +129,7 @@ def test_only_rank_0_gets_a_hydra_run_directory():
 
 
 def test_sweep_jobs_share_a_wandb_group_and_carry_their_overrides_as_tags(tmp_path):
-    from recipe.launch import group_sweep_in_wandb
+    from recipe.launch.task import group_sweep_in_wandb
 
     cfg = typed_config(output_dir=tmp_path / "multirun" / "2026-12-01" / "10-00-00" / "3")
     group_sweep_in_wandb(cfg, ["cp='2'", "mtp=on", "hydra.verbose=true"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipe.model import build_gpt_model
-from recipe.packing import pack_sequences
-from recipe.trainer import forward_loss_sum
+from recipe.data.packing import pack_sequences
+from recipe.model.gpt import build_gpt_model
+from recipe.training.trainer import forward_loss_sum
 from tests.conftest import lone_world, typed_config
 
 
@@ -29,7 +29,7 @@ def _model(position_embedding_type: str, num_query_groups: int = 2):
 
 
 def _per_token_loss(model, batch):
-    from recipe.packing import packed_seq_params
+    from recipe.model.gpt import packed_seq_params
 
     out = model(
         input_ids=batch.input_ids[None],

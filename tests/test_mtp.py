@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from recipe.config import ConfigError
-from recipe.launch import launch_world
-from recipe.mtp import global_mtp_token_counts, mtp_label_masks
-from recipe.packing import pack_sequences
-from recipe.trainer import train
+from recipe.data.packing import pack_sequences
+from recipe.launch.local import launch_world
+from recipe.model.mtp import global_mtp_token_counts, mtp_label_masks
+from recipe.training.trainer import train
 from tests.conftest import SHORT_SEQUENCES, lone_world, typed_config
 
 RTOL = 1e-5
@@ -42,7 +42,7 @@ def test_mtp_metrics_and_objective(mtp_reference):
 
 
 def test_mtp_off_builds_no_mtp_and_logs_no_mtp_loss():
-    from recipe.trainer import build_model
+    from recipe.training.trainer import build_model
 
     cfg = typed_config(COMMON)
     with lone_world():
@@ -54,8 +54,8 @@ def test_mtp_off_builds_no_mtp_and_logs_no_mtp_loss():
 
 
 def _mtp_grad_total(scale: float) -> float:
-    from recipe.mtp import set_mtp_backward_scale
-    from recipe.trainer import build_model, forward_loss_sum, plan_step
+    from recipe.model.mtp import set_mtp_backward_scale
+    from recipe.training.trainer import build_model, forward_loss_sum, plan_step
 
     with lone_world() as layout:
         cfg = typed_config(COMMON + ["mtp=on", f"mtp.loss_scaling_factor={scale}"])
@@ -81,7 +81,7 @@ def test_mtp_loss_equals_the_mean_over_sequences_run_alone():
     """Packing several sequences must give the same MTP loss as each alone: so the MTP roll never
     predicts across a boundary. Sequence B starts with a token that would be very costly to
     predict from A's tail, so a leak would move the result far beyond the tolerance."""
-    from recipe.trainer import build_model, forward_loss_sum, plan_step
+    from recipe.training.trainer import build_model, forward_loss_sum, plan_step
 
     with lone_world() as layout:
         cfg = typed_config(COMMON + ["mtp=on", "model.position_embedding_type=learned_absolute"])
@@ -156,10 +156,10 @@ def _mtp_against_gathered_logits(cfg):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from recipe import distributed
-    from recipe.cp_shard import unshard
-    from recipe.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
-    from recipe.trainer import build_model, forward_loss_sum, plan_step
+    from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+    from recipe.parallel import groups as distributed
+    from recipe.parallel.cp.zigzag import unshard
+    from recipe.training.trainer import build_model, forward_loss_sum, plan_step
 
     apply_cpu_compat()
     layout = distributed.init_distributed(cp_size=cfg.cp.size)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from recipe.metrics import read_metrics
-from recipe.trainer import train
+from recipe.training.loggers import read_metrics
+from recipe.training.trainer import train
 from tests.conftest import typed_config
 
 REQUIRED = {

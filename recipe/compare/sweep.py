@@ -14,8 +14,9 @@ from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from recipe.compare import find_runs, write_report
-from recipe.metrics import METRICS_FILE
+from recipe.compare.report import write_report
+from recipe.compare.runs import find_runs
+from recipe.training.loggers import METRICS_FILE
 
 
 class ParityReportCallback(Callback):

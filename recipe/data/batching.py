@@ -13,9 +13,7 @@ import math
 import random
 from collections.abc import Iterator
 
-
-def aligned_length(length: int, alignment: int) -> int:
-    return math.ceil(length / alignment) * alignment
+from recipe.data.thd import aligned_length
 
 
 def _longest_first(sizes: list[int], bins: int) -> list[list[int]]:

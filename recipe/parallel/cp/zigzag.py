@@ -1,9 +1,9 @@
 """Zigzag context-parallel sharding of packed THD streams as pure index arithmetic.
 
 Rank r keeps chunks r and 2*cp-1-r of every padded sequence; instead of slicing sequence by
-sequence (verl's ``preprocess_thd``, kept below as a reference), we turn 2*n per-chunk offsets
-into the global index of every local token with one cumsum and gather all per-token tensors with
-it, so the cost no longer grows with the number of sequences. The trade-off is that
+sequence (verl's ``preprocess_thd``, kept as a reference in ``verl.py``), we turn 2*n per-chunk
+offsets into the global index of every local token with one cumsum and gather all per-token
+tensors with it, so the cost no longer grows with the number of sequences. The trade-off is that
 per-token tensors are first built on the whole global stream, so each rank briefly holds T rather
 than T/cp tokens of them; ranks and sizes are plain arguments (no torch.distributed).
 """
@@ -15,35 +15,15 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-VERL_VARIANTS = ("verl_fixed", "verl_legacy")
 
-
-def padded_lengths(lengths: Tensor, alignment: int) -> Tensor:
-    """Round every length up to a multiple of ``alignment`` (2 * cp for zigzag CP)."""
-    if alignment < 1:
-        raise ValueError(f"alignment must be >= 1, got {alignment}")
-    if lengths.numel() and int(lengths.min()) < 0:
-        raise ValueError(f"lengths must be non-negative, got min {int(lengths.min())}")
-    return (lengths + alignment - 1) // alignment * alignment
-
-
-def cu_seqlens_from_lengths(lengths: Tensor) -> Tensor:
-    """Cumulative offsets with a leading 0; int32 because the attention kernels take int32."""
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-    torch.cumsum(lengths.reshape(-1).to(torch.int64), dim=0, out=offsets[1:])
-    if int(offsets[-1]) > torch.iinfo(torch.int32).max:
-        raise ValueError(f"total length {int(offsets[-1])} does not fit in int32 cu_seqlens")
-    return offsets.to(torch.int32)
-
-
-def _check_cp(cp_size: int, cp_rank: int) -> None:
+def check_cp(cp_size: int, cp_rank: int) -> None:
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must satisfy 0 <= cp_rank < cp_size={cp_size}, got {cp_rank}")
 
 
-def _padded_seqlens(cu_seqlens_padded: Tensor, cp_size: int) -> Tensor:
+def padded_seqlens(cu_seqlens_padded: Tensor, cp_size: int) -> Tensor:
     """Validated per-sequence padded lengths (int64)."""
     if cu_seqlens_padded.dim() != 1 or cu_seqlens_padded.numel() < 1:
         shape = tuple(cu_seqlens_padded.shape)
@@ -89,8 +69,8 @@ def _arange_plus_segment_shift(shifts: Tensor, starts: Tensor, total: int) -> Te
 
 def zigzag_index(cu_seqlens_padded: Tensor, cp_size: int, cp_rank: int) -> Tensor:
     """Global indices of ``cp_rank``'s tokens in local order (int64, length total / cp_size)."""
-    _check_cp(cp_size, cp_rank)
-    lengths = _padded_seqlens(cu_seqlens_padded, cp_size)
+    check_cp(cp_size, cp_rank)
+    lengths = padded_seqlens(cu_seqlens_padded, cp_size)
     total = int(cu_seqlens_padded[-1])
     if cp_size == 1:
         return torch.arange(total, dtype=torch.int64, device=cu_seqlens_padded.device)
@@ -131,7 +111,7 @@ def shard_tensors(
 
 def global_to_gathered_index(cu_seqlens_padded: Tensor, cp_size: int) -> Tensor:
     """For each global token, its position in the concatenation of all ranks' local streams."""
-    lengths = _padded_seqlens(cu_seqlens_padded, cp_size)
+    lengths = padded_seqlens(cu_seqlens_padded, cp_size)
     total = int(cu_seqlens_padded[-1])
     local_total = total // cp_size
     chunk_len = lengths // (2 * cp_size)
@@ -153,7 +133,7 @@ def unshard(
     local_tensors: Sequence[Tensor], cu_seqlens_padded: Tensor, cp_size: int, token_dim: int = 0
 ) -> Tensor:
     """Reassemble the global stream from every rank's local tensor (``local_tensors[r]``)."""
-    _check_cp(cp_size, 0)
+    check_cp(cp_size, 0)
     if len(local_tensors) != cp_size:
         raise ValueError(
             f"expected one local tensor per rank ({cp_size}), got {len(local_tensors)}"
@@ -167,7 +147,7 @@ def unshard(
                 f"expected total/cp_size = {local_total}"
             )
     if cp_size == 1:
-        _padded_seqlens(cu_seqlens_padded, cp_size)
+        padded_seqlens(cu_seqlens_padded, cp_size)
         return local_tensors[0].clone()
     flat = torch.cat(list(local_tensors), dim=token_dim)
     return flat.index_select(token_dim, global_to_gathered_index(cu_seqlens_padded, cp_size))
@@ -210,93 +190,3 @@ def index_preprocess(
     """
     index = zigzag_index(cu_seqlens_padded, cp_size, cp_rank)
     return input_ids.index_select(0, index), position_ids.index_select(0, index)
-
-
-def _check_sequence_count(sequences: Sequence[Tensor], cu_seqlens_padded: Tensor) -> None:
-    if len(sequences) != cu_seqlens_padded.numel() - 1:
-        raise ValueError(
-            f"got {len(sequences)} sequences but cu_seqlens_padded describes "
-            f"{cu_seqlens_padded.numel() - 1}"
-        )
-
-
-def _verl_bounds(
-    padded_len: int, real_len: int, cp_size: int, cp_rank: int
-) -> tuple[int, int, int]:
-    """verl's per-sequence (half, remain_start, remain_end), kept verbatim from preprocess_thd."""
-    half = padded_len // cp_size // 2
-    remain_start = padded_len - half * (cp_rank + 1)
-    remain_end = min(padded_len - half * cp_rank, real_len)
-    return half, remain_start, remain_end
-
-
-def verl_shard_values(
-    sequences: Sequence[Tensor], cu_seqlens_padded: Tensor, cp_size: int, cp_rank: int
-) -> Tensor:
-    """Reference: verl's per-sequence slicing of real-token values (input_ids, labels, masks...).
-
-    ``sequences[i]`` holds sequence i's real tokens; padding slots stay 0.
-    """
-    _check_cp(cp_size, cp_rank)
-    _padded_seqlens(cu_seqlens_padded, cp_size)
-    _check_sequence_count(sequences, cu_seqlens_padded)
-    cu = cu_seqlens_padded.tolist()
-    dtype = sequences[0].dtype if len(sequences) else torch.int64
-    values = torch.zeros(cu[-1] // cp_size, dtype=dtype)
-    for i, seq in enumerate(sequences):
-        padded_len = cu[i + 1] - cu[i]
-        start = cu[i] // cp_size
-        half, remain_start, remain_end = _verl_bounds(padded_len, len(seq), cp_size, cp_rank)
-        front = seq[half * cp_rank : half * (cp_rank + 1)]
-        values[start : start + front.numel()] = front
-        remain_len = remain_end - remain_start
-        if remain_len > 0:
-            values[start + half : start + half + remain_len] = seq[remain_start:remain_end]
-    return values
-
-
-def verl_preprocess(
-    sequences: Sequence[Tensor],
-    cu_seqlens_padded: Tensor,
-    cp_size: int,
-    cp_rank: int,
-    variant: str = "verl_fixed",
-) -> tuple[Tensor, Tensor]:
-    """Reference: verl's ``preprocess_thd`` for one rank, returning (input_ids, position_ids).
-
-    ``verl_legacy`` is the formula before verl PR #6267: it numbers the back chunk's positions
-    backwards from the padded end, which is only right on rank 0 of an unpadded sequence.
-    """
-    if variant not in VERL_VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; valid variants: {', '.join(VERL_VARIANTS)}")
-    _check_cp(cp_size, cp_rank)
-    _padded_seqlens(cu_seqlens_padded, cp_size)
-    _check_sequence_count(sequences, cu_seqlens_padded)
-    cu = cu_seqlens_padded.tolist()
-    local_total = cu[-1] // cp_size
-    dtype = sequences[0].dtype if len(sequences) else torch.int64
-    input_ids = torch.zeros(local_total, dtype=dtype)
-    position_ids = torch.zeros(local_total, dtype=torch.int64)
-    for i, seq in enumerate(sequences):
-        padded_len = cu[i + 1] - cu[i]
-        real_len = len(seq)
-        start = cu[i] // cp_size
-        half, remain_start, remain_end = _verl_bounds(padded_len, real_len, cp_size, cp_rank)
-        front = seq[half * cp_rank : half * (cp_rank + 1)]
-        input_ids[start : start + front.numel()] = front
-        position_ids[start : start + half] = torch.arange(half * cp_rank, half * (cp_rank + 1))
-        remain_len = remain_end - remain_start
-        if remain_len <= 0:
-            continue
-        input_ids[start + half : start + half + remain_len] = seq[remain_start:remain_end]
-        if variant == "verl_fixed":
-            pos_end = min(remain_end, real_len)
-            if pos_end - remain_start > 0:
-                position_ids[start + half : start + half + pos_end - remain_start] = torch.arange(
-                    remain_start, pos_end
-                )
-        else:
-            position_ids[start + half : start + half + remain_len] = torch.arange(
-                padded_len - remain_len, padded_len
-            )
-    return input_ids, position_ids

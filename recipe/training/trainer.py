@@ -15,26 +15,28 @@ from dataclasses import dataclass
 
 import torch
 
-from recipe import distributed
-from recipe.batching import (
+from recipe.config import TrainConfig
+from recipe.data.batching import (
     StepStream,
-    aligned_length,
     chunk_for_eval,
     plan_micro_batches,
     split_across_ranks,
 )
-from recipe.config import TrainConfig
-from recipe.context_parallel import shard_batch
-from recipe.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
-from recipe.data import load_corpus
-from recipe.metrics import NullLogger, RunLogger, summarize
-from recipe.mtp import (
+from recipe.data.corpus import load_corpus
+from recipe.data.packing import PackedBatch, pack_sequences
+from recipe.data.thd import aligned_length
+from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+from recipe.model.gpt import packed_seq_params
+from recipe.model.mtp import (
     global_mtp_token_counts,
     mtp_label_masks,
     set_mtp_backward_scale,
     take_mtp_loss_means,
 )
-from recipe.packing import PackedBatch, pack_sequences, packed_seq_params
+from recipe.parallel import collectives, groups
+from recipe.parallel.cp.shard import shard_batch
+from recipe.training.loggers import NullLogger, RunLogger
+from recipe.training.metrics import summarize
 
 
 @dataclass
@@ -174,7 +176,7 @@ def evaluate(model, chunks: list[StepWork], group, pass_position_ids: bool) -> f
         for batch in work.micro_batches:
             loss_sum += forward_loss_sum(model, batch, pass_position_ids)[0].double().cpu()
     model.train()
-    distributed.all_reduce_sum(loss_sum, group)
+    collectives.all_reduce_sum(loss_sum, group)
     return float(loss_sum) / sum(w.global_predicted_tokens for w in chunks)
 
 
@@ -188,7 +190,7 @@ def train(cfg: TrainConfig) -> dict:
     """Train one model; returns {"summary": ..., "history": [per-step metrics]} on every rank."""
     apply_cpu_compat()
     owns_world = not torch.distributed.is_initialized()
-    layout = distributed.init_distributed(tp_size=cfg.parallel.tp, cp_size=cfg.cp.size)
+    layout = groups.init_distributed(tp_size=cfg.parallel.tp, cp_size=cfg.cp.size)
     logger = NullLogger()
     try:
         _set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)))
@@ -205,7 +207,7 @@ def train(cfg: TrainConfig) -> dict:
         pad_id = corpus.tokenizer.pad_id
         model = build_model(cfg, corpus.tokenizer.vocab_size)
         optimizer = build_optimizer(model, cfg)
-        grad_group = distributed.gradient_group()
+        grad_group = groups.gradient_group()
         eval_chunks = [
             plan_step(c, cfg, layout, pad_id, device)
             for c in chunk_for_eval(corpus.eval, cfg.batching.tokens_per_step)
@@ -234,10 +236,10 @@ def train(cfg: TrainConfig) -> dict:
                 sums[0] += lm_sum.detach().double().cpu()
                 if mtp_sums is not None:
                     sums[1:] += mtp_sums
-            distributed.all_reduce_gradients(model.parameters(), grad_group)
+            collectives.all_reduce_gradients(model.parameters(), grad_group)
             grad_norm = _grad_norm(model.parameters(), cfg.optim.grad_clip)
             optimizer.step()
-            distributed.all_reduce_sum(sums, grad_group)
+            collectives.all_reduce_sum(sums, grad_group)
             lm_loss = float(sums[0]) / work.global_predicted_tokens
             step_time = time.perf_counter() - step_start
             metrics = {
@@ -271,11 +273,11 @@ def train(cfg: TrainConfig) -> dict:
     finally:
         logger.close()
         if owns_world:
-            distributed.shutdown_distributed()
+            groups.shutdown_distributed()
 
 
 def build_model(cfg: TrainConfig, vocab_size: int):
-    from recipe.model import build_gpt_model
+    from recipe.model.gpt import build_gpt_model
 
     return build_gpt_model(
         cfg.model,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from recipe.cp_shard import cu_seqlens_from_lengths, padded_lengths
+from recipe.data.thd import cu_seqlens_from_lengths, length_of_each_slot, padded_lengths
 
 
 @dataclass
@@ -61,7 +61,7 @@ class PackedBatch:
 
     def tokens_per_sequence_length(self) -> torch.Tensor:
         """[T] the real length of the sequence each token slot belongs to."""
-        return torch.repeat_interleave(self.cu_seqlens.diff(), self.cu_seqlens_padded.diff())
+        return length_of_each_slot(self.cu_seqlens, self.cu_seqlens_padded)
 
     def replace(self, **changes) -> PackedBatch:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -99,21 +99,4 @@ def pack_sequences(sequences: list[list[int]], alignment: int, pad_id: int) -> P
         cu_seqlens=cu_seqlens_from_lengths(lengths_t),
         cu_seqlens_padded=cu_padded,
         max_seqlen=int(padded_t.max()),
-    )
-
-
-def packed_seq_params(batch: PackedBatch):
-    """megatron's PackedSeqParams. Attention and RoPE lay sequences out by the padded global
-    boundaries, so those go in the *_padded fields and (for the MTP roll) in cu_seqlens_q too."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = batch.cu_seqlens_padded
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu,
-        cu_seqlens_kv_padded=cu,
-        max_seqlen_q=batch.max_seqlen,
-        max_seqlen_kv=batch.max_seqlen,
     )

@@ -1,4 +1,4 @@
-"""Documents in, token sequences out: the three sources, the held-out split and tokenization.
+"""Documents in, token sequences out: the held-out split, tokenization and the loss floors.
 
 Every source goes through Hugging Face `datasets` so local files and hub datasets behave the same.
 The split is by document and seeded, so eval text is never trained on and the same seed gives the
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from recipe.config import ConfigError, DataConfig
-from recipe.markov import MarkovChain
-from recipe.tokenizer import ByteTokenizer, split_long
+from recipe.data.sources import file_documents, markov_documents, pydoc_documents
+from recipe.data.tokenizer import ByteTokenizer, split_long
 
 
 @dataclass
@@ -29,64 +29,6 @@ class Corpus:
     """Mean -log P_true(label | context) over the eval labels (Markov source only)."""
     baseline_loss: float
     """Loss of the best context-free predictor on the eval labels: their unigram entropy."""
-
-
-def _markov_documents(cfg: DataConfig) -> tuple[list[str], list[str], MarkovChain]:
-    m = cfg.markov
-    chain = MarkovChain.create(
-        m.order, m.alphabet_size, m.concentration, m.mean_doc_len, m.max_doc_len, seed=cfg.seed
-    )
-    train = chain.sample_documents(m.num_train_docs, seed=cfg.seed + 1)
-    eval_ = chain.sample_documents(m.num_eval_docs, seed=cfg.seed + 2)
-    return train, eval_, chain
-
-
-def _texts_from_dataset(dataset, text_field: str, where: str) -> list[str]:
-    if text_field not in dataset.column_names:
-        raise ConfigError(
-            f"{where} has no column {text_field!r}; its columns are {dataset.column_names}. "
-            "Set data.text_field to one of them"
-        )
-    texts = [t for t in dataset[text_field] if isinstance(t, str) and t]
-    if not texts:
-        raise ConfigError(f"{where} has no non-empty text in column {text_field!r}")
-    return texts
-
-
-def _pydoc_documents() -> list[str]:
-    from pydoc_data.topics import topics
-
-    import datasets
-
-    names = sorted(topics)
-    dataset = datasets.Dataset.from_dict({"topic": names, "text": [topics[n] for n in names]})
-    return _texts_from_dataset(dataset, "text", "pydoc_data.topics")
-
-
-def _file_documents(cfg: DataConfig) -> list[str]:
-    import datasets
-
-    where = f"data.path={cfg.path!r}" + (
-        f" data.data_files={cfg.data_files!r}" if cfg.data_files else ""
-    )
-    try:
-        dataset = datasets.load_dataset(
-            cfg.path, name=cfg.name, data_files=cfg.data_files, split=cfg.split
-        )
-    except FileNotFoundError as err:
-        raise ConfigError(
-            f"cannot read {where}: {err}. Check the path (relative paths are taken "
-            "from the directory you started in)"
-        ) from err
-    except StopIteration as err:  # the json builder's way of saying "no rows"
-        raise ConfigError(f"{where} is empty: no rows to read") from err
-    except ValueError as err:
-        raise ConfigError(f"cannot load {where} split {cfg.split!r}: {err}") from err
-    except Exception as err:  # connection errors, unknown builders: say what was asked for
-        raise ConfigError(f"cannot load {where}: {type(err).__name__}: {err}") from err
-    if len(dataset) == 0:
-        raise ConfigError(f"{where} split {cfg.split!r} is empty")
-    return _texts_from_dataset(dataset, cfg.text_field, where)
 
 
 def split_documents(
@@ -133,9 +75,9 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     tokenizer = ByteTokenizer()
     chain = None
     if cfg.source == "markov":
-        train_docs, eval_docs, chain = _markov_documents(cfg)
+        train_docs, eval_docs, chain = markov_documents(cfg)
     else:
-        docs = _pydoc_documents() if cfg.source == "pydoc" else _file_documents(cfg)
+        docs = pydoc_documents() if cfg.source == "pydoc" else file_documents(cfg)
         train_docs, eval_docs = split_documents(docs, cfg.eval_fraction, cfg.seed)
     train = tokenize(train_docs, tokenizer, cfg.max_seq_len)
     eval_ = cap_tokens(tokenize(eval_docs, tokenizer, cfg.max_seq_len), cfg.max_eval_tokens)

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from recipe.cp_shard import global_to_gathered_index, zigzag_index
-from recipe.distributed import all_gather_with_sum_backward
+from recipe.parallel.collectives import all_gather_with_sum_backward
+from recipe.parallel.cp.zigzag import global_to_gathered_index, zigzag_index
 
 
 def _sequence_bounds(packed_seq_params) -> torch.Tensor:

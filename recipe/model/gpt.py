@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from recipe.data.packing import PackedBatch
+
 
 def resolve_attention_backend(name: str) -> str:
     """`auto` means Transformer Engine when CUDA and TE are present, else the recipe's own."""
@@ -74,7 +76,7 @@ def build_layer_spec(backend: str):
         return get_gpt_layer_with_transformer_engine_spec()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from recipe.attention import PackedCausalAttention
+    from recipe.model.attention import PackedCausalAttention
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedCausalAttention
@@ -124,3 +126,20 @@ def build_gpt_model(
     if torch.cuda.is_available():
         model = model.cuda()
     return model
+
+
+def packed_seq_params(batch: PackedBatch):
+    """megatron's PackedSeqParams. Attention and RoPE lay sequences out by the padded global
+    boundaries, so those go in the *_padded fields and (for the MTP roll) in cu_seqlens_q too."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = batch.cu_seqlens_padded
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=batch.max_seqlen,
+        max_seqlen_kv=batch.max_seqlen,
+    )

@@ -9,8 +9,9 @@ difference between them can only come from the positions.
 
 from __future__ import annotations
 
-from recipe.cp_shard import shard_tensors, verl_preprocess, zigzag_index
-from recipe.packing import PackedBatch
+from recipe.data.packing import PackedBatch
+from recipe.parallel.cp.verl import verl_preprocess
+from recipe.parallel.cp.zigzag import shard_tensors, zigzag_index
 
 
 def shard_batch(

@@ -1,0 +1,67 @@
+"""Compare training runs step by step and gate on the result.
+
+    python -m recipe.compare RUN_DIR... [--baseline RUN_DIR] [--rtol X] [--plot FILE]
+
+RUN_DIR is a run directory (it holds metrics.jsonl) or a sweep directory (its runs are used).
+Without --baseline each run is compared with the cp=1 run that has otherwise the same settings.
+Prints the parity table; exits 0 when every compared run passes, 1 when any fails (or nothing
+could be compared), 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from recipe.compare.diff import all_passed, compare_all
+from recipe.compare.plot import plot_comparisons
+from recipe.compare.report import render_markdown
+from recipe.compare.runs import find_runs, load_run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run or sweep directories")
+    parser.add_argument("--baseline", help="compare every run with this run directory")
+    parser.add_argument(
+        "--rtol",
+        type=float,
+        default=1e-5,
+        help="largest relative difference per step (default 1e-5, fp32 on CPU; "
+        "about 0.05 for bf16 on GPU)",
+    )
+    parser.add_argument("--plot", help="write loss curves and differences to this PNG file")
+    parser.add_argument("--report", help="also write the table (markdown) to this file")
+    args = parser.parse_args(argv)
+    try:
+        runs = find_runs(args.runs)
+        baseline = load_run(args.baseline) if args.baseline else None
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.rtol <= 0:
+        print(f"error: --rtol must be > 0, got {args.rtol}", file=sys.stderr)
+        return 2
+    if baseline is not None and all(r.path.resolve() != baseline.path.resolve() for r in runs):
+        runs = [baseline, *runs]
+    comparisons = compare_all(runs, args.rtol, baseline)
+    report = render_markdown(comparisons, args.rtol)
+    print(report)
+    if args.report:
+        Path(args.report).write_text(report)
+    if args.plot:
+        plot_comparisons(comparisons, args.plot)
+        print(f"plot: {args.plot}")
+    if not any(c.passed is not None for c in comparisons):
+        print(
+            "nothing was compared: no run has a baseline (give --baseline, or include a cp=1 "
+            "run with the same settings)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0 if all_passed(comparisons) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Training runs as the comparison reads them: metrics.jsonl plus the resolved Hydra config.
+
+A run directory holds `metrics.jsonl` (one JSON line per optimizer step) and `.hydra/config.yaml`;
+a sweep directory holds run directories. A run killed while writing its last line still loads,
+with a note, because a crashed job is exactly the one a user wants to compare.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from recipe.training.loggers import METRICS_FILE
+
+# Config keys that say nothing about what a run computed: where it wrote and how it logged.
+IGNORED_PREFIXES = (
+    "output_dir",
+    "logger.",
+    "trainer.progress_bar",
+    "trainer.log_every",
+    "compare.",
+    "hydra.",
+)
+
+
+@dataclass
+class Run:
+    path: Path
+    metrics: list[dict]
+    config: dict[str, object] = field(default_factory=dict)
+    """Flattened resolved config (`a.b.c` keys), empty when the run has no .hydra/config.yaml."""
+    notes: list[str] = field(default_factory=list)
+    """What loading had to work around (a truncated last line)."""
+
+    @property
+    def cp(self) -> int | None:
+        value = self.config.get("cp.size")
+        return int(value) if value is not None else None
+
+    @property
+    def is_reference_layout(self) -> bool:
+        return self.cp == 1 and int(self.config.get("parallel.dp", 1)) == 1
+
+
+def _flatten(node, prefix: str = "") -> dict[str, object]:
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    if isinstance(node, list):
+        return {prefix[:-1]: json.dumps(node)}
+    return {prefix[:-1]: node}
+
+
+def load_run(path: str | Path) -> Run:
+    path = Path(path)
+    metrics_file = path / METRICS_FILE
+    if not metrics_file.exists():
+        raise FileNotFoundError(f"{path} has no {METRICS_FILE}: not a run directory")
+    metrics, notes = [], []
+    lines = [line for line in metrics_file.read_text().splitlines() if line.strip()]
+    for number, line in enumerate(lines, start=1):
+        try:
+            metrics.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # a run killed while writing its last line
+                notes.append(f"ignored a truncated last line ({number}) of {METRICS_FILE}")
+                continue
+            raise ValueError(f"{metrics_file}:{number} is not JSON: {err}") from err
+    config = {}
+    config_file = path / ".hydra" / "config.yaml"
+    if config_file.exists():
+        from omegaconf import OmegaConf
+
+        config = _flatten(OmegaConf.to_container(OmegaConf.load(config_file), resolve=False))
+    return Run(path=path, metrics=metrics, config=config, notes=notes)
+
+
+def find_runs(paths: list[str | Path]) -> list[Run]:
+    """Run directories from the given paths; a directory without metrics (a sweep) is searched."""
+    runs = []
+    for p in map(Path, paths):
+        if (p / METRICS_FILE).exists():
+            runs.append(load_run(p))
+            continue
+        found = sorted({m.parent for m in p.rglob(METRICS_FILE)}, key=_natural_key)
+        if not found:
+            raise FileNotFoundError(f"{p} holds no {METRICS_FILE}: nothing to compare")
+        runs.extend(load_run(f) for f in found)
+    return runs
+
+
+def _natural_key(path: Path):
+    return [int(part) if part.isdigit() else part for part in path.parts]
+
+
+def series(run: Run, metric: str) -> dict[int, float]:
+    """A metric by step, skipping steps where it was not logged or null."""
+    return {
+        int(m["step"]): float(m[metric])
+        for m in run.metrics
+        if metric in m and m[metric] is not None
+    }
+
+
+def run_labels(runs: list[Run]) -> dict[Path, str]:
+    """Short names: the directory name plus the config values that differ between the runs."""
+    keys = sorted({k for r in runs for k in r.config if not k.startswith(IGNORED_PREFIXES)})
+    varying = [k for k in keys if len({json.dumps(r.config.get(k)) for r in runs}) > 1]
+    labels = {}
+    for run in runs:
+        settings = " ".join(f"{k.removesuffix('.size')}={run.config.get(k)}" for k in varying)
+        labels[run.path] = f"{run.path.name}: {settings}" if settings else run.path.name
+    return labels

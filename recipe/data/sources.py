@@ -1,0 +1,69 @@
+"""Where documents come from: the generated Markov chain, CPython's pydoc topics, or any files.
+
+Every text source goes through Hugging Face `datasets`, so local files (json, parquet, text, csv)
+and hub datasets behave the same and fail the same way: a missing file, a missing column or an
+empty split becomes a ConfigError that says which and what would be valid.
+"""
+
+from __future__ import annotations
+
+from recipe.config import ConfigError, DataConfig
+from recipe.data.markov import MarkovChain
+
+
+def markov_documents(cfg: DataConfig) -> tuple[list[str], list[str], MarkovChain]:
+    m = cfg.markov
+    chain = MarkovChain.create(
+        m.order, m.alphabet_size, m.concentration, m.mean_doc_len, m.max_doc_len, seed=cfg.seed
+    )
+    train = chain.sample_documents(m.num_train_docs, seed=cfg.seed + 1)
+    eval_ = chain.sample_documents(m.num_eval_docs, seed=cfg.seed + 2)
+    return train, eval_, chain
+
+
+def _texts_from_dataset(dataset, text_field: str, where: str) -> list[str]:
+    if text_field not in dataset.column_names:
+        raise ConfigError(
+            f"{where} has no column {text_field!r}; its columns are {dataset.column_names}. "
+            "Set data.text_field to one of them"
+        )
+    texts = [t for t in dataset[text_field] if isinstance(t, str) and t]
+    if not texts:
+        raise ConfigError(f"{where} has no non-empty text in column {text_field!r}")
+    return texts
+
+
+def pydoc_documents() -> list[str]:
+    from pydoc_data.topics import topics
+
+    import datasets
+
+    names = sorted(topics)
+    dataset = datasets.Dataset.from_dict({"topic": names, "text": [topics[n] for n in names]})
+    return _texts_from_dataset(dataset, "text", "pydoc_data.topics")
+
+
+def file_documents(cfg: DataConfig) -> list[str]:
+    import datasets
+
+    where = f"data.path={cfg.path!r}" + (
+        f" data.data_files={cfg.data_files!r}" if cfg.data_files else ""
+    )
+    try:
+        dataset = datasets.load_dataset(
+            cfg.path, name=cfg.name, data_files=cfg.data_files, split=cfg.split
+        )
+    except FileNotFoundError as err:
+        raise ConfigError(
+            f"cannot read {where}: {err}. Check the path (relative paths are taken "
+            "from the directory you started in)"
+        ) from err
+    except StopIteration as err:  # the json builder's way of saying "no rows"
+        raise ConfigError(f"{where} is empty: no rows to read") from err
+    except ValueError as err:
+        raise ConfigError(f"cannot load {where} split {cfg.split!r}: {err}") from err
+    except Exception as err:  # connection errors, unknown builders: say what was asked for
+        raise ConfigError(f"cannot load {where}: {type(err).__name__}: {err}") from err
+    if len(dataset) == 0:
+        raise ConfigError(f"{where} split {cfg.split!r} is empty")
+    return _texts_from_dataset(dataset, cfg.text_field, where)

@@ -1,0 +1,85 @@
+"""Start a job's ranks on this machine with PyTorch's elastic launch API, and report failures.
+
+A rank that fails takes the others down at once and its traceback comes back in RanksFailed, so a
+user sees the real error instead of a hang or a wall of launcher output.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from recipe.config import ConfigError, TrainConfig
+from recipe.log import quiet_libraries
+
+
+@record
+def _worker(cfg: TrainConfig) -> dict:
+    quiet_libraries()
+    from recipe.training.trainer import train
+
+    return train(cfg)
+
+
+def max_local_ranks() -> int:
+    """How many ranks one machine may start: one per GPU, or a few per CPU core (gloo ranks
+    share cores; beyond this the job would crawl, which usually means a typo in cp or dp)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def check_launchable(cfg: TrainConfig) -> None:
+    limit = max_local_ranks()
+    if cfg.world_size > limit:
+        raise ConfigError(
+            f"tp*cp*dp = {cfg.parallel.tp}*{cfg.cp.size}*{cfg.parallel.dp} = {cfg.world_size} "
+            f"ranks, but this machine can host at most {limit}; lower cp or parallel.dp, or "
+            "launch across nodes with torchrun/SLURM"
+        )
+
+
+def launch_world(cfg: TrainConfig, entrypoint=_worker) -> dict:
+    """Start cfg.world_size local ranks running `entrypoint(cfg)`; returns rank 0's result.
+
+    A rank that fails takes the others down at once (the agent watches every 0.1 s); its error
+    comes back as RanksFailed.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch_cfg = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.world_size,
+        run_id=f"recipe-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        results = elastic_launch(launch_cfg, entrypoint=entrypoint)(cfg)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        raise RanksFailed(
+            f"rank {rank} failed (exit code {failure.exitcode}):\n{_failure_text(failure)}"
+        ) from None
+    return results[0]
+
+
+class RanksFailed(RuntimeError):
+    """A self-launched rank failed; the message carries its traceback."""
+
+
+def _failure_text(failure) -> str:
+    """The failed rank's error and traceback, as recorded by `@record` in the worker."""
+    message = failure.message
+    if isinstance(message, dict):
+        info = message.get("extraInfo", {})
+        return f"{info.get('py_callstack', '')}{message.get('message', '')}".strip()
+    return str(message)

@@ -1,0 +1,78 @@
+"""From a composed Hydra config to running ranks.
+
+`python train.py cp=2` needs no launcher: with no rank variables in the environment the job starts
+its own tp*cp*dp ranks with PyTorch's elastic launch API (gloo on CPU, nccl on GPU) and exits with
+their status. Under torchrun (or SLURM, once MASTER_ADDR is set) the ranks already exist and each
+simply trains. Hydra's output directory is resolved once, here in the parent, and handed to every
+rank, so a job has exactly one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from omegaconf import DictConfig, OmegaConf
+
+from recipe.config import ConfigError, TrainConfig
+from recipe.launch.environment import launched_externally
+from recipe.launch.local import RanksFailed, check_launchable, launch_world
+from recipe.log import quiet_libraries
+
+
+def to_typed(cfg: DictConfig) -> TrainConfig:
+    """Validate and convert once; raises ConfigError naming the field and the fix."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
+
+
+def run(cfg: DictConfig):
+    """Hydra task: validate, resolve the one output directory, train (here or on own ranks)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    quiet_libraries()
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN"
+    try:
+        typed = to_typed(cfg)
+        if typed.world_size > 1 and not launched_externally():
+            check_launchable(typed)
+        typed.output_dir = hydra_cfg.runtime.output_dir
+        if multirun:
+            group_sweep_in_wandb(typed, list(hydra_cfg.overrides.task))
+        if typed.world_size == 1 or launched_externally():
+            from recipe.training.trainer import train
+
+            result = train(typed)
+        else:
+            result = launch_world(typed)
+    except (ConfigError, RanksFailed) as err:
+        if multirun:
+            raise  # Hydra marks the job failed; the sweep's parity report lists it
+        prefix = "config error: " if isinstance(err, ConfigError) else ""
+        print(f"{prefix}{err}", file=sys.stderr)
+        raise SystemExit(2 if isinstance(err, ConfigError) else 1) from None
+    summary = result["summary"]
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(_format_summary(summary, typed.output_dir))
+    return summary.get("final_eval_lm_loss")
+
+
+def group_sweep_in_wandb(cfg: TrainConfig, overrides: list[str]) -> None:
+    """Jobs of one sweep share a wandb group (the sweep directory) and carry their overrides as
+    tags, so the sweep can be compared in the wandb UI as in the parity report."""
+    from pathlib import Path
+
+    sweep_dir = Path(cfg.output_dir).parent
+    wandb_cfg = cfg.logger.wandb
+    if wandb_cfg.group is None:
+        wandb_cfg.group = f"sweep-{sweep_dir.parent.name}-{sweep_dir.name}"
+    wandb_cfg.tags = [*wandb_cfg.tags, *(o[:64] for o in overrides if not o.startswith("hydra"))]
+
+
+def _format_summary(summary: dict, output_dir: str) -> str:
+    def fmt(value):
+        return "n/a" if value is None else (f"{value:.4f}" if isinstance(value, float) else value)
+
+    lines = [f"run directory: {output_dir}"]
+    lines += [f"  {key}: {fmt(value)}" for key, value in summary.items()]
+    return "\n".join(lines)

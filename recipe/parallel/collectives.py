@@ -1,0 +1,67 @@
+"""The collectives the recipe runs, on groups handed in by `recipe.parallel.groups`.
+
+Gradients go in one flat bucket per step to keep gloo calls few; the all-gather used by the
+recipe's CP attention has its own autograd function because its backward must sum the gradient
+over the group and keep this rank's slice. Each one is a no-op on a group of one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum a tensor over `group` in place (the whole world by default); no-op for a world of one."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_reduce_gradients(parameters, group) -> None:
+    """Sum gradients over `group` (bucketed into one flat buffer to keep gloo calls few).
+
+    A rank that saw no tokens this step has no gradients yet; it joins with zeros so every rank
+    reduces a buffer of the same layout.
+    """
+    if dist.get_world_size(group) == 1:
+        return
+    params = [p for p in parameters if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+class _AllGatherSumBackward(torch.autograd.Function):
+    """All-gather along dim 0; backward sums the gradient over the group, keeps this rank's slice.
+
+    Written with plain collectives on an explicit group because `torch.distributed.nn`'s all_gather
+    misbehaves on sub-groups (dp > 1).
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        ctx.rank = dist.get_rank(group)
+        ctx.rows = tensor.shape[0]
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        start = ctx.rank * ctx.rows
+        return grad[start : start + ctx.rows], None
+
+
+def all_gather_with_sum_backward(tensor: torch.Tensor, group) -> torch.Tensor:
+    return _AllGatherSumBackward.apply(tensor, group)

@@ -1,0 +1,1 @@
+"""Zigzag context parallelism: index math (`zigzag`), verl's formulas (`verl`), `shard_batch`."""

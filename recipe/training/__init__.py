@@ -1,0 +1,1 @@
+"""The training loop: Trainer, per-micro-batch step, optimizer and schedule, metrics, loggers."""
