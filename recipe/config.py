@@ -12,9 +12,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from recipe.errors import ConfigError
+from recipe.parallel.layout import ParallelDims
 
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the field and the fix."""
+__all__ = ["ConfigError", "TrainConfig", "register_configs"]
 
 
 def _require(condition: bool, message: str) -> None:
@@ -213,22 +214,17 @@ class CPConfig:
     """index (one zigzag index for every tensor) | verl_fixed | verl_legacy (pre-PR-6267 bug)."""
 
     def __post_init__(self) -> None:
-        _positive("cp.size", self.size)
         _one_of("cp.preprocess", self.preprocess, CP_PREPROCESS)
 
 
 @dataclass
 class ParallelConfig:
-    """Data and tensor parallel sizes; world size = tp * cp * dp."""
+    """Data and tensor parallel sizes; world size = tp * cp * dp (checked by ParallelDims)."""
 
     dp: int = 1
     """Data-parallel replicas."""
     tp: int = 1
     """Tensor-parallel size (only 1 is supported by the recipe's layers for now)."""
-
-    def __post_init__(self) -> None:
-        _positive("parallel.dp", self.dp)
-        _require(self.tp == 1, f"parallel.tp={self.tp}: only tp=1 is supported for now")
 
 
 @dataclass
@@ -370,7 +366,8 @@ class TrainConfig:
     """Where outputs go; set from Hydra's run directory by train.py."""
 
     def __post_init__(self) -> None:
-        alignment = self.alignment
+        dims = self.parallel_dims  # every degree rule, checked before anything uses the sizes
+        alignment = dims.alignment
         aligned_max = math.ceil(self.data.max_seq_len / alignment) * alignment
         _require(
             self.batching.max_tokens_per_rank * self.cp.size >= aligned_max,
@@ -418,16 +415,17 @@ class TrainConfig:
         return (mtp or self.model.position_embedding_type == "learned_absolute") and not vision
 
     @property
+    def parallel_dims(self) -> ParallelDims:
+        return ParallelDims(tp=self.parallel.tp, cp=self.cp.size, dp=self.parallel.dp)
+
+    @property
     def alignment(self) -> int:
-        """Each sequence is padded to a multiple of this: 2*cp*tp under CP (two zigzag chunks per
-        rank), tp otherwise."""
-        if self.cp.size > 1:
-            return 2 * self.cp.size * self.parallel.tp
-        return self.parallel.tp
+        """Each sequence is padded to a multiple of this (see ParallelDims.alignment)."""
+        return self.parallel_dims.alignment
 
     @property
     def world_size(self) -> int:
-        return self.parallel.tp * self.cp.size * self.parallel.dp
+        return self.parallel_dims.world_size
 
 
 def register_configs() -> None:

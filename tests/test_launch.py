@@ -120,7 +120,7 @@ def test_only_rank_0_gets_a_hydra_run_directory():
     args = ["cp=2"]
     assert single_run_dir_for_rank(args, {}) == args
     assert single_run_dir_for_rank(args, {"RANK": "0"}) == args
-    other = single_run_dir_for_rank(args, {"RANK": "1"})
+    other = single_run_dir_for_rank(args, {"RANK": "1", "WORLD_SIZE": "2"})
     assert other[:1] == args and "hydra.run.dir=." in other and "hydra.output_subdir=null" in other
     assert single_run_dir_for_rank(args, {"SLURM_PROCID": "2"}) == args  # no rendezvous: lone
     assert "hydra.run.dir=." in single_run_dir_for_rank(

@@ -162,7 +162,7 @@ def _mtp_against_gathered_logits(cfg):
     from recipe.training.trainer import build_model, forward_loss_sum, plan_step
 
     apply_cpu_compat()
-    layout = distributed.init_distributed(cp_size=cfg.cp.size)
+    layout = distributed.init_distributed(cfg.parallel_dims)
     try:
         seed_model_parallel_rng(0)
         model = build_model(cfg, 259)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from recipe.launch.environment import read_environment
+
 NUMERIC_GROUPS = ("cp",)
 _NUMBER_LIST = re.compile(r"^\d+(,\d+)*$")
 
@@ -34,8 +36,7 @@ def single_run_dir_for_rank(args: list[str], environ: dict[str, str]) -> list[st
     with another job). Ranks other than 0 therefore run in the current directory and write no
     Hydra files or logs; rank 0's directory is the job's one output directory.
     """
-    rank = environ.get("RANK", environ.get("SLURM_PROCID") if "MASTER_ADDR" in environ else None)
-    if rank is None or rank == "0":
+    if read_environment(environ).rank == 0:
         return args
     return [
         *args,

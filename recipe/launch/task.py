@@ -15,7 +15,7 @@ import sys
 from omegaconf import DictConfig, OmegaConf
 
 from recipe.config import ConfigError, TrainConfig
-from recipe.launch.environment import launched_externally
+from recipe.launch.environment import launched_externally, read_environment
 from recipe.launch.local import RanksFailed, check_launchable, launch_world
 from recipe.log import quiet_libraries
 
@@ -52,7 +52,7 @@ def run(cfg: DictConfig):
         print(f"{prefix}{err}", file=sys.stderr)
         raise SystemExit(2 if isinstance(err, ConfigError) else 1) from None
     summary = result["summary"]
-    if int(os.environ.get("RANK", "0")) == 0:
+    if read_environment(os.environ).rank == 0:
         print(_format_summary(summary, typed.output_dir))
     return summary.get("final_eval_lm_loss")
 

@@ -92,6 +92,7 @@ def build_gpt_model(
     cp_size: int = 1,
     tp_size: int = 1,
     mtp_cfg=None,
+    device: torch.device | None = None,
 ):
     """A GPTModel with identical initial weights on every rank that shares `seed`.
 
@@ -123,9 +124,8 @@ def build_gpt_model(
         position_embedding_type=model_cfg.position_embedding_type,
         rotary_base=model_cfg.rotary_base,
     )
-    if torch.cuda.is_available():
-        model = model.cuda()
-    return model
+    # Built on the CPU so every rank and device type starts from the same weights, then moved.
+    return model.to(device) if device is not None else model
 
 
 def packed_seq_params(batch: PackedBatch):

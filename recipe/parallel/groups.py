@@ -1,33 +1,19 @@
-"""The one module that touches torch.distributed and megatron's process groups.
+"""The one module that creates and looks up process groups (torch.distributed and megatron's).
 
-Everything else takes ranks and sizes as plain arguments. A single-process run still initialises a
+Everything else takes ranks and sizes as plain arguments (`layout`) or is handed a group
+(`collectives`). A single-process run still initialises a
 world of one (gloo), because megatron-core builds its layers against process groups.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Where this process sits in the tp x cp x dp grid."""
-
-    rank: int
-    world_size: int
-    tp_size: int
-    cp_size: int
-    dp_size: int
-    cp_rank: int
-    dp_rank: int
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+from recipe.launch.environment import ProcessEnvironment, compute_device, read_environment
+from recipe.parallel.layout import ParallelDims, ParallelLayout
 
 
 def _free_port() -> int:
@@ -39,27 +25,33 @@ def _free_port() -> int:
 
 
 def init_distributed(
-    tp_size: int = 1, cp_size: int = 1, timeout_minutes: int = 5
+    dims: ParallelDims | None = None,
+    env: ProcessEnvironment | None = None,
+    timeout_minutes: int = 5,
 ) -> ParallelLayout:
     """Join (or create, for a lone process) the process group and megatron's parallel state.
 
-    Reads RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as set by torchrun or the recipe's own launcher;
-    with none set it starts a world of one on a free loopback port.
+    Under a launcher (torchrun, SLURM, the recipe's own) the world is joined through env://
+    (MASTER_ADDR/MASTER_PORT); a lone process starts a world of one on a free loopback port and
+    leaves the environment alone, so a later job in the same process (a multirun) does not
+    mistake it for a launcher's.
     """
     from datetime import timedelta
 
     from megatron.core import parallel_state
 
+    dims = dims or ParallelDims()
+    env = env or read_environment(os.environ)
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dims.check_world_size(env.world_size)
+        device = compute_device(env.local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(minutes=timeout_minutes)
-        if "RANK" in os.environ:
+        if env.external:
             dist.init_process_group(backend=backend, timeout=timeout)
         else:
-            # A lone process: leave the environment alone, so a later job in the same process
-            # (a multirun) does not mistake it for a launcher's.
             dist.init_process_group(
                 backend=backend,
                 timeout=timeout,
@@ -67,27 +59,26 @@ def init_distributed(
                 world_size=1,
                 init_method=f"tcp://127.0.0.1:{_free_port()}",
             )
-    world = dist.get_world_size()
-    if world % (tp_size * cp_size):
-        raise ValueError(
-            f"world size {world} is not a multiple of tp*cp = {tp_size}*{cp_size}; "
-            "launch tp*cp*dp processes"
-        )
+    dims.check_world_size(dist.get_world_size())
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp_size,
-            context_parallel_size=cp_size,
+            tensor_model_parallel_size=dims.tp,
+            context_parallel_size=dims.cp,
             create_gloo_process_groups=False,
         )
-    return ParallelLayout(
-        rank=dist.get_rank(),
-        world_size=world,
-        tp_size=tp_size,
-        cp_size=cp_size,
-        dp_size=world // (tp_size * cp_size),
-        cp_rank=parallel_state.get_context_parallel_rank(),
-        dp_rank=parallel_state.get_data_parallel_rank(),
+    layout = dims.layout_of(dist.get_rank())
+    megatron_says = (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_context_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
     )
+    if megatron_says != (layout.tp_rank, layout.cp_rank, layout.dp_rank):
+        raise RuntimeError(
+            f"rank {layout.rank}: megatron places it at (tp, cp, dp) = {megatron_says}, the "
+            f"recipe's layout at {(layout.tp_rank, layout.cp_rank, layout.dp_rank)}; the rank "
+            "order of megatron-core changed and recipe/parallel/layout.py must follow it"
+        )
+    return layout
 
 
 def shutdown_distributed() -> None:

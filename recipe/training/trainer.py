@@ -25,6 +25,7 @@ from recipe.data.batching import (
 from recipe.data.corpus import load_corpus
 from recipe.data.packing import PackedBatch, pack_sequences
 from recipe.data.thd import aligned_length
+from recipe.launch.environment import compute_device, read_environment
 from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
 from recipe.model.gpt import packed_seq_params
 from recipe.model.mtp import (
@@ -190,22 +191,18 @@ def train(cfg: TrainConfig) -> dict:
     """Train one model; returns {"summary": ..., "history": [per-step metrics]} on every rank."""
     apply_cpu_compat()
     owns_world = not torch.distributed.is_initialized()
-    layout = groups.init_distributed(tp_size=cfg.parallel.tp, cp_size=cfg.cp.size)
+    env = read_environment(os.environ)
+    layout = groups.init_distributed(cfg.parallel_dims, env)
     logger = NullLogger()
     try:
-        _set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)))
-        if layout.world_size != cfg.world_size:
-            raise ValueError(
-                f"this process group has {layout.world_size} ranks but the config asks "
-                f"for tp*cp*dp = {cfg.world_size}"
-            )
+        _set_threads(env.local_world_size)
         seed_model_parallel_rng(cfg.trainer.seed)
         torch.use_deterministic_algorithms(True, warn_only=True)
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        device = compute_device(env.local_rank)
 
         corpus = load_corpus(cfg.data)
         pad_id = corpus.tokenizer.pad_id
-        model = build_model(cfg, corpus.tokenizer.vocab_size)
+        model = build_model(cfg, corpus.tokenizer.vocab_size, device)
         optimizer = build_optimizer(model, cfg)
         grad_group = groups.gradient_group()
         eval_chunks = [
@@ -276,7 +273,7 @@ def train(cfg: TrainConfig) -> dict:
             groups.shutdown_distributed()
 
 
-def build_model(cfg: TrainConfig, vocab_size: int):
+def build_model(cfg: TrainConfig, vocab_size: int, device=None):
     from recipe.model.gpt import build_gpt_model
 
     return build_gpt_model(
@@ -287,4 +284,5 @@ def build_model(cfg: TrainConfig, vocab_size: int):
         seed=cfg.trainer.seed,
         cp_size=cfg.cp.size,
         tp_size=cfg.parallel.tp,
+        device=device,
     )
