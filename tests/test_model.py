@@ -7,7 +7,7 @@ import torch
 
 from recipe.data.packing import pack_sequences
 from recipe.model.gpt import build_gpt_model
-from recipe.training.trainer import forward_loss_sum
+from recipe.training.step import forward_step, loss_func
 from tests.conftest import lone_world, typed_config
 
 
@@ -77,7 +77,7 @@ def test_packing_really_separates_sequences(world):
 def test_grouped_query_attention_and_backward(world):
     model = _model("rope", num_query_groups=1)
     batch = pack_sequences([[1, 2, 3, 4, 5], [6, 7, 8]], 1, 258)
-    loss, _ = forward_loss_sum(model, batch)
+    loss, _, _ = loss_func(batch, forward_step(batch, model))
     loss.backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)

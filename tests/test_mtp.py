@@ -55,7 +55,8 @@ def test_mtp_off_builds_no_mtp_and_logs_no_mtp_loss():
 
 def _mtp_grad_total(scale: float) -> float:
     from recipe.model.mtp import set_mtp_backward_scale
-    from recipe.training.trainer import build_model, forward_loss_sum, plan_step
+    from recipe.training.step import forward_step, loss_func, plan_step
+    from recipe.training.trainer import build_model
 
     with lone_world() as layout:
         cfg = typed_config(COMMON + ["mtp=on", f"mtp.loss_scaling_factor={scale}"])
@@ -65,7 +66,7 @@ def _mtp_grad_total(scale: float) -> float:
         work = plan_step(seqs, cfg, layout, pad_id=258, device=torch.device("cpu"))
         set_mtp_backward_scale(1.0 / work.global_mtp_tokens[0])
         for batch in work.micro_batches:
-            lm_sum, _ = forward_loss_sum(model, batch, cfg.passes_position_ids)
+            lm_sum, _, _ = loss_func(batch, forward_step(batch, model, cfg.passes_position_ids))
             lm_sum.backward()
         mtp_grads = [p.grad for n, p in model.named_parameters() if n.startswith("mtp.")]
         assert mtp_grads, "the model has an MTP block"
@@ -81,7 +82,8 @@ def test_mtp_loss_equals_the_mean_over_sequences_run_alone():
     """Packing several sequences must give the same MTP loss as each alone: so the MTP roll never
     predicts across a boundary. Sequence B starts with a token that would be very costly to
     predict from A's tail, so a leak would move the result far beyond the tolerance."""
-    from recipe.training.trainer import build_model, forward_loss_sum, plan_step
+    from recipe.training.step import forward_step, loss_func, plan_step
+    from recipe.training.trainer import build_model
 
     with lone_world() as layout:
         cfg = typed_config(COMMON + ["mtp=on", "model.position_embedding_type=learned_absolute"])
@@ -93,7 +95,9 @@ def test_mtp_loss_equals_the_mean_over_sequences_run_alone():
             work = plan_step(sequences, cfg, layout, pad_id=258, device=torch.device("cpu"))
             with torch.no_grad():
                 return sum(
-                    float(forward_loss_sum(model, b, cfg.passes_position_ids)[1][0])
+                    float(
+                        loss_func(b, forward_step(b, model, cfg.passes_position_ids))[2]["mtp_1"][0]
+                    )
                     for b in work.micro_batches
                 )
 
@@ -159,7 +163,8 @@ def _mtp_against_gathered_logits(cfg):
     from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
     from recipe.parallel import groups as distributed
     from recipe.parallel.cp.zigzag import unshard
-    from recipe.training.trainer import build_model, forward_loss_sum, plan_step
+    from recipe.training.step import forward_step, loss_func, plan_step
+    from recipe.training.trainer import build_model
 
     apply_cpu_compat()
     layout = distributed.init_distributed(cfg.parallel_dims)
@@ -176,7 +181,8 @@ def _mtp_against_gathered_logits(cfg):
             lambda m, i, o: logits.append(o[0].detach().clone())
         )
         with torch.no_grad():
-            _, mtp_sums = forward_loss_sum(model, batch, cfg.passes_position_ids)
+            _, _, report = loss_func(batch, forward_step(batch, model, cfg.passes_position_ids))
+        mtp_sums = report["mtp_1"][:1].clone()
         hook.remove()
         mtp_logits = logits[0][:, 0]  # the MTP head runs before the main head: [t_local, vocab]
         cp, group = layout.cp_size, distributed.cp_group()

@@ -8,7 +8,7 @@ import pytest
 
 from recipe.training.loggers import read_metrics
 from recipe.training.trainer import train
-from tests.conftest import typed_config
+from tests.conftest import lone_world, typed_config
 
 REQUIRED = {
     "step",
@@ -83,3 +83,68 @@ def test_runs_are_deterministic():
     a = train(typed_config(cfg))["history"]
     b = train(typed_config(cfg))["history"]
     assert [h["lm_loss"] for h in a] == [h["lm_loss"] for h in b]
+
+
+def _trainer(cfg, layout):
+    import torch
+
+    from recipe.data.corpus import load_corpus
+    from recipe.training.trainer import Trainer
+
+    return Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data))
+
+
+def _comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k not in ("step_time_s", "tokens_per_s")}
+
+
+def test_a_trainer_resumed_from_its_state_dict_continues_bit_for_bit():
+    """Two steps, state_dict, a fresh trainer loads it and takes two more: the same records as
+    four steps in one go. Restoring the weights alone (no optimizer moments, no data position)
+    must NOT reproduce them, or the check would prove nothing."""
+    import copy
+
+    cfg = typed_config(["trainer.max_steps=4", "mtp=on"])
+    with lone_world() as layout:
+        whole = _trainer(cfg, layout)
+        straight = [_comparable(whole.train_step().to_record()) for _ in range(4)]
+
+        first = _trainer(cfg, layout)
+        head = [_comparable(first.train_step().to_record()) for _ in range(2)]
+        state = copy.deepcopy(first.state_dict())
+        resumed = _trainer(cfg, layout)
+        resumed.load_state_dict(state)
+        tail = [_comparable(resumed.train_step().to_record()) for _ in range(2)]
+        assert head + tail == straight
+        assert resumed.step == 4 and resumed.steps.state_dict() == whole.steps.state_dict()
+
+        weights_only = _trainer(cfg, layout)
+        weights_only.model.load_state_dict(state["model"])
+        weights_only.step = 2
+        wrong = [_comparable(weights_only.train_step().to_record()) for _ in range(2)]
+        assert [r["lm_loss"] for r in wrong] != [r["lm_loss"] for r in tail]
+
+
+def test_step_metrics_record_is_the_metrics_file_contract():
+    from recipe.training.metrics import StepMetrics
+
+    base = dict(step=3, lm_loss=2.0, loss=2.1, grad_norm=0.5, lr=1e-3, tokens=100)
+    base.update(padded_tokens=104, micro_batches=2, step_time_s=0.1, tokens_per_s=1000.0)
+    plain = StepMetrics(mtp_layer_losses=(), **base).to_record()
+    assert list(plain) == [
+        "step",
+        "lm_loss",
+        "loss",
+        "grad_norm",
+        "lr",
+        "tokens",
+        "padded_tokens",
+        "micro_batches",
+        "step_time_s",
+        "tokens_per_s",
+    ]
+    assert set(plain) == REQUIRED
+    one = StepMetrics(mtp_layer_losses=(1.5,), eval_lm_loss=2.5, **base).to_record()
+    assert (one["mtp_loss"], one["eval_lm_loss"]) == (1.5, 2.5) and "mtp_loss_1" not in one
+    two = StepMetrics(mtp_layer_losses=(1.0, None), **base).to_record()
+    assert (two["mtp_loss"], two["mtp_loss_1"], two["mtp_loss_2"]) == (1.0, 1.0, None)

@@ -75,7 +75,12 @@ def _merge_lightest(plan: list[list[int]], sizes: list[int], capacity: int) -> l
 
 
 class StepStream:
-    """Endless optimizer steps of whole sequences, reshuffled (seeded) every epoch."""
+    """Endless optimizer steps of whole sequences, reshuffled (seeded) every epoch.
+
+    A step may run across an epoch boundary: the stream is one sequence order, cut by the token
+    budget. Its state is where the next sequence comes from (epoch, position in that epoch's
+    order), so `state_dict()` / `load_state_dict()` resume it exactly.
+    """
 
     def __init__(self, sequences: list[list[int]], tokens_per_step: int, seed: int):
         longest = max(len(s) for s in sequences)
@@ -86,25 +91,49 @@ class StepStream:
         self.sequences = sequences
         self.tokens_per_step = tokens_per_step
         self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order = self._order_of(0)
 
-    def _in_data_order(self) -> Iterator[list[int]]:
-        epoch = 0
-        while True:
-            order = list(range(len(self.sequences)))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            for i in order:
-                yield self.sequences[i]
-            epoch += 1
+    def _order_of(self, epoch: int) -> list[int]:
+        order = list(range(len(self.sequences)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def _peek(self) -> list[int]:
+        return self.sequences[self._order[self.position]]
+
+    def _advance(self) -> None:
+        self.position += 1
+        if self.position == len(self._order):
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._order_of(self.epoch)
 
     def __iter__(self) -> Iterator[list[list[int]]]:
+        return self
+
+    def __next__(self) -> list[list[int]]:
         step: list[list[int]] = []
         total = 0
-        for seq in self._in_data_order():
-            if step and total + len(seq) > self.tokens_per_step:
-                yield step
-                step, total = [], 0
+        while not step or total + len(self._peek()) <= self.tokens_per_step:
+            seq = self._peek()
             step.append(seq)
             total += len(seq)
+            self._advance()
+        return step
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < len(self.sequences):
+            raise ValueError(
+                f"data stream state epoch={epoch} position={position} does not fit a corpus of "
+                f"{len(self.sequences)} sequences; was it saved with other data settings?"
+            )
+        self.epoch, self.position = epoch, position
+        self._order = self._order_of(epoch)
 
 
 def chunk_for_eval(sequences: list[list[int]], tokens_per_chunk: int) -> list[list[list[int]]]:

@@ -1,10 +1,79 @@
-"""The end-of-run summary: final losses, the data's loss floors and how much of the gap closed."""
+"""The per-step metrics record (the metrics.jsonl contract) and the end-of-run summary.
+
+`StepMetrics` is spelled once: its fields, in order, are the keys of a metrics.jsonl line, except
+that the per-layer MTP losses are written as `mtp_loss` (their mean) and, with several layers,
+`mtp_loss_1`, `mtp_loss_2`, ...; keys that do not apply (MTP off, no eval this step) are left
+out rather than written as null. The summary's `gap_closed` is the share of the learnable gap
+(unigram baseline minus the data's entropy floor) that the model closed on the eval set.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 FINAL_WINDOW = 10
+
+
+@dataclass
+class StepMetrics:
+    """One optimizer step, as every rank computes it after the step's one all-reduce."""
+
+    step: int
+    lm_loss: float
+    """Mean next-token loss over the step's predicted tokens (all ranks, all micro-batches)."""
+    loss: float
+    """What is optimised: lm_loss + mtp.loss_scaling_factor * (MTP term)."""
+    mtp_layer_losses: tuple[float | None, ...]
+    """Per MTP layer, its mean loss over the step (None: no sequence gave it a target); empty
+    with mtp=off."""
+    grad_norm: float
+    lr: float
+    tokens: int
+    """Real tokens of the step."""
+    padded_tokens: int
+    """Tokens after alignment padding."""
+    micro_batches: int
+    """Micro-batches over all data-parallel ranks."""
+    step_time_s: float
+    tokens_per_s: float
+    eval_lm_loss: float | None = None
+    """Set on eval steps (every trainer.eval_every steps and the last)."""
+
+    @property
+    def mtp_loss(self) -> float | None:
+        known = [m for m in self.mtp_layer_losses if m is not None]
+        return sum(known) / len(known) if known else None
+
+    def to_record(self) -> dict:
+        """The metrics.jsonl line."""
+        record: dict = {"step": self.step, "lm_loss": self.lm_loss, "loss": self.loss}
+        if self.mtp_layer_losses:
+            # None when no sequence of the step was long enough to give MTP a target.
+            record["mtp_loss"] = self.mtp_loss
+            if len(self.mtp_layer_losses) > 1:
+                record.update({f"mtp_loss_{k + 1}": m for k, m in enumerate(self.mtp_layer_losses)})
+        record.update(
+            grad_norm=self.grad_norm,
+            lr=self.lr,
+            tokens=self.tokens,
+            padded_tokens=self.padded_tokens,
+            micro_batches=self.micro_batches,
+            step_time_s=self.step_time_s,
+            tokens_per_s=self.tokens_per_s,
+        )
+        if self.eval_lm_loss is not None:
+            record["eval_lm_loss"] = self.eval_lm_loss
+        return record
+
+
+def optimised_loss(lm_loss: float, mtp_sums: list[float], mtp_counts: list[int], scale: float):
+    """`loss`: lm_loss + scale * mean over MTP layers of (sum / N), with N the first layer's
+    global token count (megatron applies one backward scale to all layers), so with one layer it
+    is exactly lm_loss + scale * mtp_loss."""
+    if not mtp_counts or not mtp_counts[0]:
+        return lm_loss
+    return lm_loss + scale * sum(mtp_sums) / len(mtp_sums) / mtp_counts[0]
 
 
 def _finite_or_none(value):
@@ -20,7 +89,7 @@ def summarize(
     baseline_loss: float | None,
     wall_time_s: float,
 ) -> dict:
-    """The end-of-run numbers; `gap_closed` is the share of the learnable gap the model closed."""
+    """The end-of-run numbers from the metrics.jsonl records of the run."""
     last = history[-FINAL_WINDOW:]
     final_lm = sum(h["lm_loss"] for h in last) / len(last) if last else None
     evals = [h["eval_lm_loss"] for h in history if "eval_lm_loss" in h]

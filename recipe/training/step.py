@@ -1,0 +1,141 @@
+"""One optimizer step's work on this rank, and the per-micro-batch contract of the model call.
+
+`plan_step` splits a step's whole sequences across data-parallel ranks, into budgeted micro-batches,
+packs each on the global stream and shards it for this CP rank at the one point CP is applied.
+Then, as in Megatron's `pretrain_gpt.py`: `forward_step(batch, model)` builds the model call (the
+one place that passes position_ids, and later images or 3-D positions) and `loss_func(batch,
+output)` turns its output into `(loss_sum, num_tokens, report)`, where the report holds a
+`[sum, count]` pair per named loss (`lm`, `mtp_1`, ...). The loop adds the reports up on the
+model's device, reduces them with one all-reduce per step and divides once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from recipe.config import TrainConfig
+from recipe.data.batching import plan_micro_batches, split_across_ranks
+from recipe.data.packing import PackedBatch, pack_sequences
+from recipe.data.thd import aligned_length
+from recipe.model.gpt import packed_seq_params
+from recipe.model.mtp import global_mtp_token_counts, mtp_label_masks, take_mtp_loss_means
+from recipe.parallel.cp.shard import shard_batch
+from recipe.parallel.layout import ParallelLayout
+
+LM = "lm"
+
+
+def mtp_report_name(layer: int) -> str:
+    """Report name of MTP layer `layer` (0-based): mtp_1, mtp_2, ..."""
+    return f"mtp_{layer + 1}"
+
+
+@dataclass
+class StepWork:
+    """What this rank computes for one step (or one eval chunk)."""
+
+    micro_batches: list[PackedBatch]
+    """Already sharded for this CP rank, moved to the model's device."""
+    global_predicted_tokens: int
+    """Loss-masked tokens of the whole step over all ranks: the loss normaliser."""
+    global_real_tokens: int
+    global_padded_tokens: int
+    global_micro_batches: int
+    global_mtp_tokens: list[int]
+    """Per MTP layer: tokens it predicts over the whole step (empty with mtp=off)."""
+
+    @property
+    def report_names(self) -> list[str]:
+        return [LM] + [mtp_report_name(k) for k in range(len(self.global_mtp_tokens))]
+
+    @property
+    def expected_counts(self) -> list[int]:
+        """The global count each report must add up to, known from the lengths alone."""
+        return [self.global_predicted_tokens, *self.global_mtp_tokens]
+
+
+def plan_step(
+    sequences: list[list[int]],
+    cfg: TrainConfig,
+    layout: ParallelLayout,
+    pad_id: int,
+    device: torch.device,
+) -> StepWork:
+    """Split a step across DP ranks, into micro-batches, and shard each for this CP rank."""
+    lengths = [len(s) for s in sequences]
+    alignment = cfg.alignment
+    per_rank = split_across_ranks(lengths, layout.dp_size, alignment)
+    plans = [
+        plan_micro_batches(
+            [lengths[i] for i in ids], alignment, layout.cp_size, cfg.batching.max_tokens_per_rank
+        )
+        for ids in per_rank
+    ]
+    mine = per_rank[layout.dp_rank]
+    mtp_layers = cfg.mtp.num_layers if cfg.mtp.enabled else 0
+    micro_batches = []
+    for micro in plans[layout.dp_rank]:
+        batch = pack_sequences([sequences[mine[j]] for j in micro], alignment, pad_id)
+        if mtp_layers:
+            masks = mtp_label_masks(
+                batch.position_ids, batch.tokens_per_sequence_length(), mtp_layers
+            )
+            batch = batch.replace(mtp_mask=masks)
+        local = shard_batch(batch, layout.cp_size, layout.cp_rank, cfg.cp.preprocess)
+        micro_batches.append(local.to(device))
+    return StepWork(
+        micro_batches=micro_batches,
+        global_predicted_tokens=sum(n - 1 for n in lengths),
+        global_real_tokens=sum(lengths),
+        global_padded_tokens=sum(aligned_length(n, alignment) for n in lengths),
+        global_micro_batches=sum(len(p) for p in plans),
+        global_mtp_tokens=global_mtp_token_counts(lengths, mtp_layers),
+    )
+
+
+@dataclass
+class ForwardOutput:
+    per_token_loss: torch.Tensor
+    """[T_local] next-token cross entropy of every local token (masked later)."""
+    mtp_means: torch.Tensor | None
+    """Per MTP layer, the mean loss megatron tracked for this micro-batch on this rank (training
+    with mtp=on only; the MTP gradient itself reaches the model inside megatron)."""
+
+
+def forward_step(batch: PackedBatch, model, pass_position_ids: bool = True) -> ForwardOutput:
+    """The model call for one packed micro-batch: the only place that builds it."""
+    kwargs = {}
+    if batch.mtp_mask is not None:
+        kwargs["loss_mask"] = batch.loss_mask.unsqueeze(0)  # megatron rolls it per MTP layer
+    per_token = model(
+        input_ids=batch.input_ids.unsqueeze(0),
+        position_ids=batch.position_ids.unsqueeze(0) if pass_position_ids else None,
+        attention_mask=None,
+        labels=batch.labels.unsqueeze(0),
+        packed_seq_params=packed_seq_params(batch),
+        **kwargs,
+    )
+    mtp_means = None
+    if batch.mtp_mask is not None and model.training:
+        mtp_means = take_mtp_loss_means(batch.mtp_mask.shape[0]).to(per_token.device)
+    return ForwardOutput(per_token.squeeze(0), mtp_means)
+
+
+def loss_func(
+    batch: PackedBatch, output: ForwardOutput
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's masked next-token loss sum (what backward sees), its token count, and the
+    report: float64 `[sum, count]` per named loss, for logging."""
+    loss_sum = (output.per_token_loss.float() * batch.loss_mask).sum()
+    num_tokens = batch.loss_mask.sum()
+    report = {LM: torch.stack([loss_sum.detach().double(), num_tokens.double()])}
+    if output.mtp_means is not None:
+        counts = batch.mtp_mask.sum(-1).double()
+        means = output.mtp_means.double()
+        # A rank with no MTP target in this micro-batch tracked 0/0; it contributes nothing.
+        sums = torch.where(counts > 0, means * counts, torch.zeros_like(counts))
+        for k in range(counts.numel()):
+            report[mtp_report_name(k)] = torch.stack([sums[k], counts[k]])
+    return loss_sum, num_tokens, report
