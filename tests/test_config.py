@@ -124,3 +124,41 @@ def test_every_experiment_composes_and_sweeps_something(experiment):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         job_cfg = compose("train", overrides=[f"experiment={experiment}"])
     assert isinstance(to_typed(job_cfg), TrainConfig)
+
+
+# The keys that name an option may repeat the default (model=tiny is the default model).
+OPTION_IDENTITY_KEYS = {"model.name", "data.source"}
+
+
+def _flat(node, prefix=""):
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+@pytest.mark.parametrize(
+    "group,option",
+    [(g, o) for g in GROUPS for o in _options(g)] + [("preset", o) for o in _options("preset")],
+    ids=lambda v: str(v),
+)
+def test_group_files_hold_only_what_differs_from_the_dataclass_defaults(group, option):
+    """The dataclasses are the one home of defaults: a YAML value equal to the default is a
+    second copy that would silently win over a changed default."""
+    from dataclasses import asdict
+
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / group / f"{option}.yaml")) or {}
+    raw.pop("defaults", None)
+    if group != "preset":  # a preset is global; a group file sits under its group's key
+        raw = {group: raw}
+    defaults = _flat(asdict(TrainConfig()))
+    repeated = [
+        key
+        for key, value in _flat(raw).items()
+        if key not in OPTION_IDENTITY_KEYS and key in defaults and defaults[key] == value
+    ]
+    assert not repeated, f"conf/{group}/{option}.yaml repeats defaults: {repeated}"
