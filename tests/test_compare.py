@@ -133,7 +133,7 @@ def test_compare_runs_script_exit_codes(tmp_path):
 
 @pytest.mark.distributed
 def test_a_multirun_sweep_ends_in_a_parity_report(tmp_path):
-    from tests.conftest import run_train_cli
+    from tests.helpers.cli import run_train_cli
 
     sweep = tmp_path / "sweep"
     result = run_train_cli(

@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from recipe.config import ConfigError, TrainConfig
 from recipe.launch.overrides import quote_numeric_group_choices
-from tests.conftest import CONF_DIR, typed_config
+from tests.helpers.config import CONF_DIR, typed_config
 
 GROUPS = ["model", "data", "cp", "mtp", "vision", "optim", "trainer", "logger"]
 

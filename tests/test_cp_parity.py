@@ -12,7 +12,7 @@ import pytest
 
 from recipe.launch.local import launch_world
 from recipe.training.trainer import train
-from tests.conftest import SHORT_SEQUENCES, typed_config
+from tests.helpers.config import SHORT_SEQUENCES, typed_config
 
 pytestmark = pytest.mark.distributed
 

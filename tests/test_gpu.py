@@ -7,7 +7,7 @@ import pytest
 
 from recipe.launch.local import launch_world
 from recipe.training.trainer import train
-from tests.conftest import typed_config
+from tests.helpers.config import typed_config
 
 pytestmark = pytest.mark.gpu
 

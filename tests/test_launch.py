@@ -11,7 +11,8 @@ import pytest
 
 from recipe.config import ConfigError
 from recipe.launch.local import RanksFailed, check_launchable, launch_world, max_local_ranks
-from tests.conftest import run_train_cli, typed_config
+from tests.helpers.cli import run_train_cli
+from tests.helpers.config import typed_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +65,10 @@ def test_cli_bad_config_exits_2_with_the_field_named(tmp_path):
     result = run_train_cli(["model.hidden_size=33"], cwd=tmp_path, timeout=120)
     assert result.returncode == 2
     assert "config error: model.hidden_size=33" in result.stderr
+    assert "config error" not in result.stdout, "errors go to stderr only"
     assert not list(tmp_path.rglob("metrics.jsonl"))
+    (log,) = tmp_path.rglob("train.log")
+    assert "config error: model.hidden_size=33" in log.read_text()
 
 
 def test_cli_data_files_trains_on_a_local_jsonl(tmp_path):
@@ -88,6 +92,11 @@ def test_cli_data_files_trains_on_a_local_jsonl(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["entropy_floor"] is None
+    # Hydra's train.log holds what the console showed (with timestamps).
+    shown = [line for line in result.stdout.splitlines() if line.strip()]
+    assert shown[0].startswith("run directory:") and len(shown) >= 8
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert all(line in log for line in shown), log
 
 
 def test_launcher_environment_is_used_when_present(monkeypatch):

@@ -8,7 +8,8 @@ import torch
 from recipe.data.packing import pack_sequences
 from recipe.model.gpt import build_gpt_model
 from recipe.training.step import forward_step, loss_func
-from tests.conftest import lone_world, typed_config
+from tests.helpers.config import typed_config
+from tests.helpers.world import lone_world
 
 
 @pytest.fixture(scope="module")

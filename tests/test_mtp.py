@@ -10,7 +10,8 @@ from recipe.data.packing import pack_sequences
 from recipe.launch.local import launch_world
 from recipe.model.mtp import global_mtp_token_counts, mtp_label_masks
 from recipe.training.trainer import train
-from tests.conftest import SHORT_SEQUENCES, lone_world, typed_config
+from tests.helpers.config import SHORT_SEQUENCES, typed_config
+from tests.helpers.world import lone_world
 
 RTOL = 1e-5
 STEPS = 3
@@ -161,13 +162,13 @@ def _mtp_against_gathered_logits(cfg):
     import torch.nn.functional as F
 
     from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
-    from recipe.parallel import groups as distributed
+    from recipe.parallel import groups
     from recipe.parallel.cp.zigzag import unshard
     from recipe.training.step import forward_step, loss_func, plan_step
     from recipe.training.trainer import build_model
 
     apply_cpu_compat()
-    layout = distributed.init_distributed(cfg.parallel_dims)
+    layout = groups.init_distributed(cfg.parallel_dims)
     try:
         seed_model_parallel_rng(0)
         model = build_model(cfg, 259)
@@ -185,7 +186,7 @@ def _mtp_against_gathered_logits(cfg):
         mtp_sums = report["mtp_1"][:1].clone()
         hook.remove()
         mtp_logits = logits[0][:, 0]  # the MTP head runs before the main head: [t_local, vocab]
-        cp, group = layout.cp_size, distributed.cp_group()
+        cp, group = layout.cp_size, groups.cp_group()
         if cp > 1:
             parts = [torch.empty_like(mtp_logits) for _ in range(cp)]
             dist.all_gather(parts, mtp_logits.contiguous(), group=group)
@@ -198,7 +199,7 @@ def _mtp_against_gathered_logits(cfg):
                 reference += float(F.cross_entropy(mtp_logits[start + p][None], target))
         return {"recipe": float(mtp_sums[0]), "reference": reference}
     finally:
-        distributed.shutdown_distributed()
+        groups.shutdown_distributed()
 
 
 @pytest.mark.distributed

@@ -8,7 +8,8 @@ import pytest
 
 from recipe.training.loggers import read_metrics
 from recipe.training.trainer import train
-from tests.conftest import lone_world, typed_config
+from tests.helpers.config import typed_config
+from tests.helpers.world import lone_world
 
 REQUIRED = {
     "step",

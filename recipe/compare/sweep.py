@@ -3,7 +3,9 @@
 Jobs run one after another with Hydra's basic launcher, each in its own numbered directory and
 each launching its own ranks. The callback remembers every job's directory as it finishes and, when
 the sweep ends, writes `parity_report.md` and `loss_curves.png` into the sweep directory. A failed
-job stops the sweep; the report is then written at once, with the failure in it.
+job stops the sweep; the report is then written at once, with the failure in it. It prints rather
+than logs: it runs in Hydra's launcher process after the jobs, where logging carries Hydra's own
+`[HYDRA]` prefix and no job's train.log is the right file; the report is its own file.
 """
 
 from __future__ import annotations

@@ -9,15 +9,14 @@ rank, so a job has exactly one.
 
 from __future__ import annotations
 
-import os
-import sys
-
 from omegaconf import DictConfig, OmegaConf
 
 from recipe.config import ConfigError, TrainConfig
-from recipe.launch.environment import launched_externally, read_environment
+from recipe.launch.environment import launched_externally
 from recipe.launch.local import RanksFailed, check_launchable, launch_world
-from recipe.log import quiet_libraries
+from recipe.log import get_logger, quiet_libraries
+
+log = get_logger(__name__)
 
 
 def to_typed(cfg: DictConfig) -> TrainConfig:
@@ -49,11 +48,10 @@ def run(cfg: DictConfig):
         if multirun:
             raise  # Hydra marks the job failed; the sweep's parity report lists it
         prefix = "config error: " if isinstance(err, ConfigError) else ""
-        print(f"{prefix}{err}", file=sys.stderr)
+        log.error(f"{prefix}{err}")
         raise SystemExit(2 if isinstance(err, ConfigError) else 1) from None
     summary = result["summary"]
-    if read_environment(os.environ).rank == 0:
-        print(_format_summary(summary, typed.output_dir))
+    log.info(_format_summary(summary, typed.output_dir))
     return summary.get("final_eval_lm_loss")
 
 
