@@ -129,6 +129,14 @@ def test_compare_runs_script_exit_codes(tmp_path):
     assert run(tmp_path / "nowhere").returncode == 2
     nothing = run(good / "1")  # a cp=2 run alone has no baseline
     assert nothing.returncode == 1 and "nothing was compared" in nothing.stderr
+    as_module = subprocess.run(
+        [sys.executable, "-m", "recipe.compare", str(bad / "1"), "--baseline", str(bad / "0")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert (as_module.returncode, as_module.stdout) == (failing.returncode, failing.stdout)
 
 
 @pytest.mark.distributed

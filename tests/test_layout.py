@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -82,6 +83,7 @@ def test_layout_of_refuses_a_rank_outside_the_world():
 def test_environment_reader_for_each_launcher():
     lone = read_environment({})
     assert (lone.launcher, lone.rank, lone.world_size, lone.external) == ("none", 0, 1, False)
+    assert lone.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
     torchrun = read_environment(
         {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     )

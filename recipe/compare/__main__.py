@@ -21,7 +21,8 @@ from recipe.compare.runs import find_runs, load_run
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    prog = None if Path(sys.argv[0]).name != "__main__.py" else "python -m recipe.compare"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run or sweep directories")
     parser.add_argument("--baseline", help="compare every run with this run directory")
     parser.add_argument(

@@ -33,6 +33,11 @@ class ProcessEnvironment:
         """Ranks already exist: the job must join them rather than start its own."""
         return self.launcher != "none"
 
+    @property
+    def device(self):
+        """The device this process computes on (see compute_device)."""
+        return compute_device(self.local_rank)
+
 
 def _slurm_tasks_per_node(environ: Mapping[str, str], world_size: int) -> int:
     # SLURM writes e.g. "8" or "8(x2)"; the leading count is this node's.

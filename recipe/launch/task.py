@@ -12,7 +12,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from recipe.config import ConfigError, TrainConfig
-from recipe.launch.environment import launched_externally
+from recipe.launch.environment import adopt_environment
 from recipe.launch.local import RanksFailed, check_launchable, launch_world
 from recipe.log import get_logger, quiet_libraries
 
@@ -33,12 +33,13 @@ def run(cfg: DictConfig):
     multirun = hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN"
     try:
         typed = to_typed(cfg)
-        if typed.world_size > 1 and not launched_externally():
+        env = adopt_environment()
+        if typed.world_size > 1 and not env.external:
             check_launchable(typed)
         typed.output_dir = hydra_cfg.runtime.output_dir
         if multirun:
             group_sweep_in_wandb(typed, list(hydra_cfg.overrides.task))
-        if typed.world_size == 1 or launched_externally():
+        if typed.world_size == 1 or env.external:
             from recipe.training.trainer import train
 
             result = train(typed)

@@ -12,7 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from recipe.launch.environment import ProcessEnvironment, compute_device, read_environment
+from recipe.launch.environment import ProcessEnvironment, read_environment
 from recipe.parallel.layout import ParallelDims, ParallelLayout
 
 
@@ -44,7 +44,7 @@ def init_distributed(
     env = env or read_environment(os.environ)
     if not dist.is_initialized():
         dims.check_world_size(env.world_size)
-        device = compute_device(env.local_rank)
+        device = env.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"

@@ -19,7 +19,7 @@ from recipe.config import TrainConfig
 from recipe.data.batching import StepStream, chunk_for_eval
 from recipe.data.corpus import Corpus, load_corpus
 from recipe.data.thd import aligned_length
-from recipe.launch.environment import compute_device, read_environment
+from recipe.launch.environment import read_environment
 from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
 from recipe.model.mtp import set_mtp_backward_scale
 from recipe.parallel import collectives, groups
@@ -215,7 +215,7 @@ def train(cfg: TrainConfig) -> dict:
         seed_model_parallel_rng(cfg.trainer.seed)
         torch.use_deterministic_algorithms(True, warn_only=True)
         corpus = load_corpus(cfg.data)
-        trainer = Trainer(cfg, layout, compute_device(env.local_rank), corpus)
+        trainer = Trainer(cfg, layout, env.device, corpus)
         if layout.is_main:
             logger = trainer.logger = RunLogger(cfg, cfg.output_dir, cfg.trainer.max_steps)
         return trainer.train()
