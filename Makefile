@@ -1,6 +1,19 @@
 # Two commands do all set-up on a fresh machine: `make train` and `make test`.
-PYTHON ?= python3.11
-VENV := .venv
+# Two supported stacks, picked with STACK= (each has its own virtual environment):
+#   current (default): Python 3.12, torch 2.14.1, megatron-core 0.19.2   -> .venv
+#   legacy:            Python 3.11, torch 2.13.0 (CPU build), megatron-core 0.16.1 -> .venv-legacy
+STACK ?= current
+ifeq ($(STACK),current)
+PY_VERSION := 3.12
+VENV ?= .venv
+LOCK := requirements.lock
+else ifeq ($(STACK),legacy)
+PY_VERSION := 3.11
+VENV ?= .venv-legacy
+LOCK := requirements-legacy.lock
+else
+$(error STACK=$(STACK) is not a supported stack: use STACK=current (Python 3.12, megatron-core 0.19.2) or STACK=legacy (Python 3.11, megatron-core 0.16.1))
+endif
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -8,12 +21,15 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# The stamp depends on the pins, so editing them re-installs; an existing venv is reused.
-$(STAMP): pyproject.toml requirements.lock
-	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; the recipe needs Python 3.11 (set PYTHON=/path/to/python3.11)"; exit 1; }
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+# The stamp depends on the pins, so editing them re-installs; an existing venv is reused when its
+# Python is the stack's (one made for another version is rebuilt, never silently mixed).
+$(STAMP): pyproject.toml $(LOCK)
+	@PY="$${PYTHON:-$$(scripts/find_python.sh $(PY_VERSION))}" || exit 1; \
+	if ! $(BIN)/python -c 'import sys; sys.exit(sys.version_info[:2] != tuple(map(int, "$(PY_VERSION)".split("."))))' 2>/dev/null; then \
+		echo "creating $(VENV) with $$PY (STACK=$(STACK))"; rm -rf $(VENV); "$$PY" -m venv $(VENV) || exit 1; \
+	fi
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=23"
-	$(BIN)/python -m pip install --quiet -c requirements.lock -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -c $(LOCK) -e ".[dev]"
 	touch $(STAMP)
 
 train: $(STAMP)
@@ -30,4 +46,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/preprocess.py
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache .hypothesis
+	rm -rf .venv .venv-legacy outputs multirun .pytest_cache .hypothesis

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from recipe.data.packing import PackedBatch
+from recipe.model.megatron_compat import silence_known_warnings
 
 
 def resolve_attention_backend(name: str) -> str:
@@ -102,6 +103,7 @@ def build_gpt_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    silence_known_warnings()
     backend = resolve_attention_backend(model_cfg.attention_backend)
     config = build_transformer_config(model_cfg, cp_size=cp_size, tp_size=tp_size, mtp_cfg=mtp_cfg)
     layer_spec = build_layer_spec(backend)

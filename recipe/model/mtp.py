@@ -30,21 +30,10 @@ def global_mtp_token_counts(lengths: list[int], num_layers: int) -> list[int]:
     return [sum(max(0, n - 2 - k) for n in lengths) for k in range(num_layers)]
 
 
-def set_mtp_backward_scale(scale: float) -> None:
-    """With per-token losses megatron hands the MTP block a gradient of `scale` per token; set to
-    1 / (global MTP token count) so the MTP term is a global mean, invariant to cp and batching."""
+def set_mtp_backward_scale(scale: float | torch.Tensor) -> None:
+    """With per-token losses megatron hands the MTP block a gradient of `scale` per token (read
+    at backward time); see `megatron_compat.mtp_backward_scale` for the value that makes the MTP
+    term a global mean, invariant to cp and batching."""
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-    MTPLossAutoScaler.set_loss_scale(torch.tensor(scale))
-
-
-def take_mtp_loss_means(num_layers: int) -> torch.Tensor:
-    """The per-layer mean MTP loss megatron tracked during the last forward, then reset it."""
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-    tracker = MTPLossLoggingHelper.tracker
-    if "values" not in tracker:
-        return torch.zeros(num_layers, dtype=torch.float64)
-    means = tracker["values"].detach().double().cpu().clone()
-    MTPLossLoggingHelper.clean_loss_in_tracker()
-    return means
+    MTPLossAutoScaler.set_loss_scale(scale if torch.is_tensor(scale) else torch.tensor(scale))

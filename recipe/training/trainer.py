@@ -21,6 +21,7 @@ from recipe.data.corpus import Corpus, load_corpus
 from recipe.data.thd import aligned_length
 from recipe.launch.environment import read_environment
 from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+from recipe.model.megatron_compat import mtp_backward_scale
 from recipe.model.mtp import set_mtp_backward_scale
 from recipe.parallel import collectives, groups
 from recipe.parallel.layout import ParallelLayout
@@ -88,8 +89,6 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         mtp_counts = work.global_mtp_tokens
-        if mtp_counts:
-            set_mtp_backward_scale(1.0 / mtp_counts[0] if mtp_counts[0] else 0.0)
         totals = self.forward_backward_step(work)
         collectives.all_reduce_gradients(self.model.parameters(), self.grad_group)
         norm = grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
@@ -123,7 +122,12 @@ class Trainer:
         totals = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
         for batch in work.micro_batches:
             output = forward_step(batch, self.model, self.cfg.passes_position_ids)
-            loss_sum, _, report = loss_func(batch, output)
+            loss_sum, num_tokens, report = loss_func(batch, output)
+            if work.global_mtp_tokens:
+                first = work.global_mtp_tokens[0]
+                set_mtp_backward_scale(
+                    mtp_backward_scale(first, num_tokens, batch.mtp_mask[0].sum())
+                )
             (loss_sum / work.global_predicted_tokens).backward()
             totals += torch.stack([report[name] for name in names])
         return totals
