@@ -36,6 +36,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "te")
 DATA_SOURCES = ("markov", "pydoc", "files")
 WANDB_MODES = ("disabled", "offline", "online")
 CP_PREPROCESS = ("index", "verl_fixed", "verl_legacy")
+PRECISIONS = ("auto", "fp32", "bf16")
 PASS_POSITION_IDS = ("auto", "mtp_only", "not_vision", "always", "never")
 
 
@@ -303,8 +304,13 @@ class TrainerConfig:
     log_every: int = 1
     """Console refresh interval in steps (metrics.jsonl gets every step)."""
     progress_bar: bool = True
+    precision: str = "auto"
+    """auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 (autocast, fp32 weights and optimizer)."""
+    deterministic: bool = True
+    """Deterministic kernels everywhere (megatron deterministic_mode, NVTE, cuBLAS, torch)."""
 
     def __post_init__(self) -> None:
+        _one_of("trainer.precision", self.precision, PRECISIONS)
         _positive("trainer.max_steps", self.max_steps)
         _require(self.eval_every >= 0, f"trainer.eval_every must be >= 0, got {self.eval_every}")
         _positive("trainer.log_every", self.log_every)

@@ -72,3 +72,12 @@ def test_data_parallel_ranks_without_sequences_keep_parity():
     assert any(h["micro_batches"] < 4 for h in history), "some step must leave a rank idle"
     assert _relative_gap(reference, history, "lm_loss") < RTOL
     assert _relative_gap(reference, history, "grad_norm") < RTOL
+
+
+def test_bf16_cp2_matches_cp1_within_bf16_tolerance():
+    """Mixed precision keeps CP parity at bf16's tolerance (1e-2 relative on lm_loss per step)."""
+    bf16 = [*COMMON, "trainer.precision=bf16"]
+    reference = train(typed_config(bf16))["history"]
+    history = launch_world(typed_config([*bf16, "cp=2"]))["history"]
+    assert len(history) == len(reference) == STEPS
+    assert _relative_gap(reference, history, "lm_loss") < 1e-2

@@ -147,3 +147,14 @@ def test_sweep_jobs_share_a_wandb_group_and_carry_their_overrides_as_tags(tmp_pa
     other = typed_config(output_dir=tmp_path / "multirun" / "2026-12-01" / "10-00-00" / "4")
     group_sweep_in_wandb(other, ["cp='1'"])
     assert other.logger.wandb.group == cfg.logger.wandb.group
+
+
+def test_cli_te_backend_without_cuda_stops_before_any_work(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only refusal")
+    result = run_train_cli(["model.attention_backend=te", "cp=2"], cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "config error: model.attention_backend=te needs CUDA" in result.stderr
+    assert not list(tmp_path.rglob("metrics.jsonl"))

@@ -138,3 +138,42 @@ def test_step_metrics_record_is_the_metrics_file_contract():
     assert (one["mtp_loss"], one["eval_lm_loss"]) == (1.5, 2.5) and "mtp_loss_1" not in one
     two = StepMetrics(mtp_layer_losses=(1.0, None), **base).to_record()
     assert (two["mtp_loss"], two["mtp_loss_1"], two["mtp_loss_2"]) == (1.0, 1.0, None)
+
+
+def test_bf16_autocast_trains_with_fp32_master_weights_close_to_fp32():
+    """trainer.precision=bf16 runs the forward in bf16 (so its losses are NOT bit-identical to
+    fp32: otherwise autocast would be silently off) within 2e-2 of fp32, and keeps fp32
+    parameters and optimizer state."""
+    import torch
+
+    fp32_cfg = typed_config(["trainer.max_steps=3", "trainer.precision=fp32"])
+    bf16_cfg = typed_config(["trainer.max_steps=3", "trainer.precision=bf16"])
+    with lone_world() as layout:
+        reference = _trainer(fp32_cfg, layout)
+        fp32 = [reference.train_step().lm_loss for _ in range(3)]
+        mixed = _trainer(bf16_cfg, layout)
+        assert mixed.precision == "bf16"
+        bf16 = [mixed.train_step().lm_loss for _ in range(3)]
+        assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
+        moments = [s["exp_avg"] for s in mixed.optimizer.state.values()]
+        assert moments and all(m.dtype == torch.float32 for m in moments)
+    assert bf16 != fp32
+    for a, b in zip(fp32, bf16):
+        assert b == pytest.approx(a, rel=2e-2)
+
+
+@pytest.mark.parametrize(
+    "backend,precision,cuda,fragment",
+    [
+        ("te", "bf16", False, "model.attention_backend=te needs CUDA"),
+        ("te", "fp32", True, "use trainer.precision=bf16"),
+    ],
+)
+def test_te_choices_that_cannot_run_are_refused(backend, precision, cuda, fragment):
+    from recipe.errors import ConfigError
+    from recipe.model.numerics import check_backend_and_precision
+
+    with pytest.raises(ConfigError, match=fragment):
+        check_backend_and_precision(backend, precision, cuda)
+    check_backend_and_precision("te", "bf16", cuda=True)
+    check_backend_and_precision("torch", "fp32", cuda=cuda)

@@ -15,6 +15,7 @@ from recipe.config import ConfigError, TrainConfig
 from recipe.launch.environment import adopt_environment
 from recipe.launch.local import RanksFailed, check_launchable, launch_world
 from recipe.log import get_logger, quiet_libraries
+from recipe.training.trainer import check_run_choices, train
 
 log = get_logger(__name__)
 
@@ -34,14 +35,13 @@ def run(cfg: DictConfig):
     try:
         typed = to_typed(cfg)
         env = adopt_environment()
+        check_run_choices(typed, env.device)  # before any rank starts or data loads
         if typed.world_size > 1 and not env.external:
             check_launchable(typed)
         typed.output_dir = hydra_cfg.runtime.output_dir
         if multirun:
             group_sweep_in_wandb(typed, list(hydra_cfg.overrides.task))
         if typed.world_size == 1 or env.external:
-            from recipe.training.trainer import train
-
             result = train(typed)
         else:
             result = launch_world(typed)

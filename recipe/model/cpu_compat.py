@@ -1,9 +1,12 @@
 """Make megatron-core run on a machine without CUDA.
 
-megatron-core 0.16.1 asks `torch.cuda.current_device()` for a device in a few places that also run
-on CPU (RoPE moves its inverse frequencies there on every forward; the MTP loss tracker, the global
-memory buffer and DDP buffers allocate there). Answering "cpu" is the only patch the model needs;
-it is applied here and nowhere else, and only when CUDA is absent, so GPU runs are untouched.
+megatron-core asks `torch.cuda.current_device()` for a device in a few places that also run on
+CPU (RoPE moves its inverse frequencies there on every forward; the MTP loss tracker, the global
+memory buffer and DDP buffers allocate there): answering "cpu" makes the model run. For bf16
+autocast, megatron's linear autograd functions are wrapped in `torch.amp.custom_fwd/custom_bwd`
+for device "cuda" only, so on CPU their backward runs outside autocast and multiplies a bf16
+gradient with an fp32 weight; they are re-wrapped for device "cpu". Both patches are applied here
+and nowhere else, and only when CUDA is absent, so GPU runs are untouched.
 """
 
 from __future__ import annotations
@@ -27,8 +30,21 @@ def apply_cpu_compat() -> bool:
         return False
     if not _PATCHED:
         torch.cuda.current_device = _cpu_device
+        _autocast_linear_functions_on_cpu()
         _PATCHED = True
     return True
+
+
+def _autocast_linear_functions_on_cpu() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    for name in ("LinearWithGradAccumulationAndAsyncCommunication", "LinearWithFrozenWeight"):
+        function = getattr(layers, name)
+        # custom_fwd/custom_bwd keep the undecorated function as __wrapped__ (functools.wraps).
+        forward = getattr(function.forward, "__wrapped__", function.forward)
+        backward = getattr(function.backward, "__wrapped__", function.backward)
+        function.forward = staticmethod(torch.amp.custom_fwd(forward, device_type="cpu"))
+        function.backward = staticmethod(torch.amp.custom_bwd(backward, device_type="cpu"))
 
 
 def seed_model_parallel_rng(seed: int) -> None:

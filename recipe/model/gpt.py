@@ -33,10 +33,11 @@ def resolve_attention_backend(name: str) -> str:
     return name
 
 
-def build_transformer_config(model_cfg, *, cp_size: int = 1, tp_size: int = 1, mtp_cfg=None):
+def build_transformer_config(
+    model_cfg, *, cp_size: int = 1, tp_size: int = 1, mtp_cfg=None, deterministic: bool = True
+):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    use_gpu = torch.cuda.is_available()
     mtp_on = mtp_cfg is not None and mtp_cfg.enabled
     return TransformerConfig(
         mtp_num_layers=mtp_cfg.num_layers if mtp_on else None,
@@ -59,7 +60,7 @@ def build_transformer_config(model_cfg, *, cp_size: int = 1, tp_size: int = 1, m
         # Per-token losses summed over the step and divided once by the global count make the
         # result independent of how a step is cut into micro-batches and ranks.
         calculate_per_token_loss=True,
-        deterministic_mode=not use_gpu,
+        deterministic_mode=deterministic,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
@@ -94,6 +95,7 @@ def build_gpt_model(
     tp_size: int = 1,
     mtp_cfg=None,
     device: torch.device | None = None,
+    deterministic: bool = True,
 ):
     """A GPTModel with identical initial weights on every rank that shares `seed`.
 
@@ -105,7 +107,9 @@ def build_gpt_model(
 
     silence_known_warnings()
     backend = resolve_attention_backend(model_cfg.attention_backend)
-    config = build_transformer_config(model_cfg, cp_size=cp_size, tp_size=tp_size, mtp_cfg=mtp_cfg)
+    config = build_transformer_config(
+        model_cfg, cp_size=cp_size, tp_size=tp_size, mtp_cfg=mtp_cfg, deterministic=deterministic
+    )
     layer_spec = build_layer_spec(backend)
     mtp_block_spec = None
     if config.mtp_num_layers:

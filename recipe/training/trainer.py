@@ -23,6 +23,12 @@ from recipe.launch.environment import read_environment
 from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
 from recipe.model.megatron_compat import mtp_backward_scale
 from recipe.model.mtp import set_mtp_backward_scale
+from recipe.model.numerics import (
+    apply_determinism,
+    autocast,
+    check_backend_and_precision,
+    resolve_precision,
+)
 from recipe.parallel import collectives, groups
 from recipe.parallel.layout import ParallelLayout
 from recipe.training.loggers import NullLogger, RunLogger
@@ -45,6 +51,8 @@ class Trainer:
         self.cfg = cfg
         self.layout = layout
         self.device = device
+        self.precision = resolve_precision(cfg.trainer.precision, device)
+        """fp32 or bf16 (autocast around every forward), resolved for this device."""
         self.corpus = corpus
         self.model = build_model(cfg, corpus.tokenizer.vocab_size, device)
         self.optimizer = build_optimizer(self.model, cfg)
@@ -121,7 +129,8 @@ class Trainer:
         names = work.report_names
         totals = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
         for batch in work.micro_batches:
-            output = forward_step(batch, self.model, self.cfg.passes_position_ids)
+            with autocast(self.device, self.precision):
+                output = forward_step(batch, self.model, self.cfg.passes_position_ids)
             loss_sum, num_tokens, report = loss_func(batch, output)
             if work.global_mtp_tokens:
                 first = work.global_mtp_tokens[0]
@@ -153,10 +162,9 @@ class Trainer:
         totals = torch.zeros(1, 2, dtype=torch.float64, device=self.device)
         for work in self.eval_chunks:
             for batch in work.micro_batches:
-                _, _, report = loss_func(
-                    batch, forward_step(batch, self.model, self.cfg.passes_position_ids)
-                )
-                totals[0] += report["lm"]
+                with autocast(self.device, self.precision):
+                    output = forward_step(batch, self.model, self.cfg.passes_position_ids)
+                totals[0] += loss_func(batch, output)[2]["lm"]
         self.model.train()
         collectives.all_reduce_sum(totals, self.grad_group)
         expected = sum(w.global_predicted_tokens for w in self.eval_chunks)
@@ -198,7 +206,19 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | None =
         cp_size=cfg.cp.size,
         tp_size=cfg.parallel.tp,
         device=device,
+        deterministic=cfg.trainer.deterministic,
     )
+
+
+def check_run_choices(cfg: TrainConfig, device: torch.device) -> None:
+    """What the config alone cannot check: choices that depend on this machine's device."""
+    from recipe.model.gpt import resolve_attention_backend
+
+    precision = resolve_precision(cfg.trainer.precision, device)
+    backend = cfg.model.attention_backend
+    if backend == "auto":
+        backend = resolve_attention_backend(backend)
+    check_backend_and_precision(backend, precision, cuda=device.type == "cuda")
 
 
 def _set_threads(local_world: int) -> None:
@@ -217,7 +237,8 @@ def train(cfg: TrainConfig) -> dict:
     try:
         _set_threads(env.local_world_size)
         seed_model_parallel_rng(cfg.trainer.seed)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        check_run_choices(cfg, env.device)
+        apply_determinism(cfg.trainer.deterministic)
         corpus = load_corpus(cfg.data)
         trainer = Trainer(cfg, layout, env.device, corpus)
         if layout.is_main:
