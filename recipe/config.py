@@ -37,6 +37,7 @@ DATA_SOURCES = ("markov", "pydoc", "files")
 WANDB_MODES = ("disabled", "offline", "online")
 CP_PREPROCESS = ("index", "verl_fixed", "verl_legacy")
 PRECISIONS = ("auto", "fp32", "bf16")
+CP_COMM_TYPES = ("p2p", "a2a", "all_gather")
 PASS_POSITION_IDS = ("auto", "mtp_only", "not_vision", "always", "never")
 
 
@@ -213,9 +214,14 @@ class CPConfig:
     """Context-parallel ranks; each holds 2 zigzag chunks of every sequence."""
     preprocess: str = "index"
     """index (one zigzag index for every tensor) | verl_fixed | verl_legacy (pre-PR-6267 bug)."""
+    comm_type: str = "p2p"
+    """Transformer Engine's CP attention exchange: p2p (ring; THD in every TE 2.x) | a2a (TE >=
+    2.10; heads and query groups divisible by cp) | all_gather (TE >= 2.15). The torch backend
+    always all-gathers K/V."""
 
     def __post_init__(self) -> None:
         _one_of("cp.preprocess", self.preprocess, CP_PREPROCESS)
+        _one_of("cp.comm_type", self.comm_type, CP_COMM_TYPES)
 
 
 @dataclass
@@ -388,6 +394,16 @@ class TrainConfig:
             f"batching.tokens_per_step={self.batching.tokens_per_step} is smaller than one "
             f"sequence (data.max_seq_len={self.data.max_seq_len}); raise it or lower max_seq_len",
         )
+
+        if self.cp.comm_type == "a2a" and self.cp.size > 1:
+            m = self.model
+            _require(
+                m.num_attention_heads % self.cp.size == 0
+                and m.num_query_groups % self.cp.size == 0,
+                f"cp.comm_type=a2a splits heads across cp ranks: model.num_attention_heads="
+                f"{m.num_attention_heads} and model.num_query_groups={m.num_query_groups} must be "
+                f"divisible by cp.size={self.cp.size}; use cp.comm_type=p2p",
+            )
 
         if not self.passes_position_ids:
             policy = f"model.pass_position_ids={self.model.pass_position_ids}"

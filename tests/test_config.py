@@ -65,6 +65,8 @@ def test_default_is_the_documented_one():
         ("logger.wandb.mode=cloud", ["logger.wandb.mode", "offline"]),
         ("cp.preprocess=magic", ["cp.preprocess", "index", "verl_legacy"]),
         ("parallel.dp=0", ["parallel.dp"]),
+        ("trainer.precision=fp16", ["trainer.precision", "bf16"]),
+        ("cp.comm_type=ring", ["cp.comm_type", "p2p", "all_gather"]),
     ],
 )
 def test_bad_values_fail_with_a_message_naming_field_and_fix(override, fragments):
@@ -162,3 +164,9 @@ def test_group_files_hold_only_what_differs_from_the_dataclass_defaults(group, o
         if key not in OPTION_IDENTITY_KEYS and key in defaults and defaults[key] == value
     ]
     assert not repeated, f"conf/{group}/{option}.yaml repeats defaults: {repeated}"
+
+
+def test_a2a_needs_heads_and_groups_divisible_by_cp():
+    with pytest.raises(ConfigError, match="cp.comm_type=a2a splits heads"):
+        typed_config(["cp=4", "cp.comm_type=a2a", "model.num_query_groups=2"])
+    assert typed_config(["cp=2", "cp.comm_type=a2a"]).cp.comm_type == "a2a"

@@ -21,6 +21,7 @@ DEFAULT_METRICS = ("lm_loss", "mtp_loss", "grad_norm")
 LAYOUT_KEYS = (
     "cp.size",
     "cp.preprocess",
+    "cp.comm_type",
     "parallel.dp",
     "parallel.tp",
     "model.attention_backend",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from recipe.data.packing import PackedBatch
-from recipe.model.megatron_compat import silence_known_warnings
+from recipe.model.compat import silence_known_warnings
 
 
 def resolve_attention_backend(name: str) -> str:
@@ -34,7 +34,13 @@ def resolve_attention_backend(name: str) -> str:
 
 
 def build_transformer_config(
-    model_cfg, *, cp_size: int = 1, tp_size: int = 1, mtp_cfg=None, deterministic: bool = True
+    model_cfg,
+    *,
+    cp_size: int = 1,
+    tp_size: int = 1,
+    mtp_cfg=None,
+    deterministic: bool = True,
+    cp_comm_type: str = "p2p",
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -54,6 +60,7 @@ def build_transformer_config(
         init_method_std=model_cfg.init_method_std,
         tensor_model_parallel_size=tp_size,
         context_parallel_size=cp_size,
+        cp_comm_type=cp_comm_type if cp_size > 1 else None,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
         bf16=False,
@@ -96,6 +103,7 @@ def build_gpt_model(
     mtp_cfg=None,
     device: torch.device | None = None,
     deterministic: bool = True,
+    cp_comm_type: str = "p2p",
 ):
     """A GPTModel with identical initial weights on every rank that shares `seed`.
 
@@ -108,7 +116,12 @@ def build_gpt_model(
     silence_known_warnings()
     backend = resolve_attention_backend(model_cfg.attention_backend)
     config = build_transformer_config(
-        model_cfg, cp_size=cp_size, tp_size=tp_size, mtp_cfg=mtp_cfg, deterministic=deterministic
+        model_cfg,
+        cp_size=cp_size,
+        tp_size=tp_size,
+        mtp_cfg=mtp_cfg,
+        deterministic=deterministic,
+        cp_comm_type=cp_comm_type,
     )
     layer_spec = build_layer_spec(backend)
     mtp_block_spec = None

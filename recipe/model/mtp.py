@@ -32,7 +32,7 @@ def global_mtp_token_counts(lengths: list[int], num_layers: int) -> list[int]:
 
 def set_mtp_backward_scale(scale: float | torch.Tensor) -> None:
     """With per-token losses megatron hands the MTP block a gradient of `scale` per token (read
-    at backward time); see `megatron_compat.mtp_backward_scale` for the value that makes the MTP
+    at backward time); see `compat.mtp_backward_scale` for the value that makes the MTP
     term a global mean, invariant to cp and batching."""
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 

@@ -19,8 +19,8 @@ from recipe.config import TrainConfig
 from recipe.data.batching import plan_micro_batches, split_across_ranks
 from recipe.data.packing import PackedBatch, pack_sequences
 from recipe.data.thd import aligned_length
+from recipe.model.compat import take_mtp_loss_means
 from recipe.model.gpt import packed_seq_params
-from recipe.model.megatron_compat import take_mtp_loss_means
 from recipe.model.mtp import global_mtp_token_counts, mtp_label_masks
 from recipe.parallel.cp.shard import shard_batch
 from recipe.parallel.layout import ParallelLayout

@@ -20,8 +20,12 @@ from recipe.data.batching import StepStream, chunk_for_eval
 from recipe.data.corpus import Corpus, load_corpus
 from recipe.data.thd import aligned_length
 from recipe.launch.environment import read_environment
+from recipe.model.compat import (
+    check_te_cp_comm_type,
+    mtp_backward_scale,
+    transformer_engine_version,
+)
 from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
-from recipe.model.megatron_compat import mtp_backward_scale
 from recipe.model.mtp import set_mtp_backward_scale
 from recipe.model.numerics import (
     apply_determinism,
@@ -207,6 +211,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | None =
         tp_size=cfg.parallel.tp,
         device=device,
         deterministic=cfg.trainer.deterministic,
+        cp_comm_type=cfg.cp.comm_type,
     )
 
 
@@ -219,6 +224,8 @@ def check_run_choices(cfg: TrainConfig, device: torch.device) -> None:
     if backend == "auto":
         backend = resolve_attention_backend(backend)
     check_backend_and_precision(backend, precision, cuda=device.type == "cuda")
+    if backend == "te" and cfg.cp.size > 1:
+        check_te_cp_comm_type(cfg.cp.comm_type, transformer_engine_version())
 
 
 def _set_threads(local_world: int) -> None:

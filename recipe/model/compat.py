@@ -1,4 +1,5 @@
-"""What differs between the supported megatron-core releases (0.16.1 and 0.19.2), in one place.
+"""What differs between supported releases of megatron-core (0.16.1, 0.19.2) and Transformer
+Engine, in one place.
 
 The rest of the recipe calls these functions and never checks a version itself. Each difference
 is detected by the feature it concerns (an attribute, a line of the installed source) rather than
@@ -16,6 +17,9 @@ by a version number, so a release in between behaves by what it actually does.
   counts (exact when every rank holds whole sequences, as at cp=1 and dp=1).
 - GPTModel is deprecated in 0.19 in favour of HybridModel but still supported there; its warning
   on every model build is silenced.
+- Transformer Engine's context-parallel attention supports packed (THD) batches with p2p in every
+  2.x, with a2a from 2.10 and with all_gather from 2.15 (the asserts in TE's
+  `attention/dot_product_attention/context_parallel.py`).
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ def take_mtp_loss_means(num_layers: int) -> torch.Tensor:
     key = "loss_values" if hasattr(MTPLossLoggingHelper, "clean_metrics_in_tracker") else "values"
     if key not in tracker:
         return torch.zeros(num_layers, dtype=torch.float64)
-    means = tracker[key].detach().double().cpu().clone()
+    means = tracker[key].detach().double().clone()  # stays on the device: no host sync
     if key == "loss_values":
         MTPLossLoggingHelper.clean_metrics_in_tracker()
     else:
@@ -97,3 +101,32 @@ def silence_known_warnings() -> None:
     logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
     if not any(isinstance(f, _DropGPTModelDeprecation) for f in logger.filters):
         logger.addFilter(_DropGPTModelDeprecation())
+
+
+TE_THD_CP_MIN_VERSION = {"p2p": (2, 0), "a2a": (2, 10), "all_gather": (2, 15)}
+
+
+def transformer_engine_version() -> tuple[int, int] | None:
+    """(major, minor) of the installed Transformer Engine, or None without one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("transformer-engine", "transformer_engine", "transformer-engine-torch"):
+        try:
+            major, minor = version(name).split(".")[:2]
+            return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+        except (PackageNotFoundError, ValueError):
+            continue
+    return None
+
+
+def check_te_cp_comm_type(comm_type: str, te_version: tuple[int, int] | None) -> None:
+    """Refuse a CP communication type the installed Transformer Engine cannot run on THD."""
+    from recipe.errors import ConfigError
+
+    needed = TE_THD_CP_MIN_VERSION[comm_type]
+    if te_version is not None and te_version < needed:
+        have = ".".join(map(str, te_version))
+        raise ConfigError(
+            f"cp.comm_type={comm_type} with packed sequences needs Transformer Engine >= "
+            f"{needed[0]}.{needed[1]}, this one is {have}; use cp.comm_type=p2p (every 2.x)"
+        )
