@@ -55,7 +55,9 @@ class ModelConfig:
     num_query_groups: int = 2
     """Key/value heads (grouped-query attention); divides num_attention_heads."""
     ffn_hidden_size: int = 256
-    """MLP inner width."""
+    """MLP inner width (of each branch with swiglu)."""
+    swiglu: bool = False
+    """SwiGLU MLP (gated, SiLU; Llama-style) instead of a plain GELU MLP."""
     position_embedding_type: str = "rope"
     """rope | learned_absolute (learned_absolute makes a position_ids bug visible in the loss)."""
     rotary_base: int = 10000
@@ -314,9 +316,16 @@ class TrainerConfig:
     """auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 (autocast, fp32 weights and optimizer)."""
     deterministic: bool = True
     """Deterministic kernels everywhere (megatron deterministic_mode, NVTE, cuBLAS, torch)."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device for `mfu` (default: known GPUs' data sheet; none on CPU)."""
 
     def __post_init__(self) -> None:
         _one_of("trainer.precision", self.precision, PRECISIONS)
+        _require(
+            self.peak_tflops is None or self.peak_tflops > 0,
+            f"trainer.peak_tflops must be > 0 (or null for the device's data sheet), got "
+            f"{self.peak_tflops}",
+        )
         _positive("trainer.max_steps", self.max_steps)
         _require(self.eval_every >= 0, f"trainer.eval_every must be >= 0, got {self.eval_every}")
         _positive("trainer.log_every", self.log_every)

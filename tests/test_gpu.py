@@ -1,5 +1,8 @@
 """GPU checks (skipped without CUDA): Transformer Engine attention and nccl ranks agree with the
-recipe's own attention and with cp=1."""
+recipe's own attention and with cp=1, at bf16's tolerance.
+
+Not run on hardware yet: written against TE's and megatron-core's sources (see README, "On a GPU").
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,13 @@ from tests.helpers.config import typed_config
 
 pytestmark = pytest.mark.gpu
 
-COMMON = ["trainer.max_steps=3", "model.position_embedding_type=learned_absolute"]
+# bf16: TE's fused attention takes no fp32; TF32/bf16 arithmetic needs a ~1e-2 tolerance.
+COMMON = [
+    "trainer.max_steps=3",
+    "model.position_embedding_type=learned_absolute",
+    "trainer.precision=bf16",
+]
+BF16_RTOL = 2e-2
 
 
 def test_te_backend_matches_the_torch_backend():
@@ -19,7 +28,7 @@ def test_te_backend_matches_the_torch_backend():
     torch_run = train(typed_config(COMMON + ["model.attention_backend=torch"]))["history"]
     te_run = train(typed_config(COMMON + ["model.attention_backend=te"]))["history"]
     for a, b in zip(torch_run, te_run):
-        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-3)
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=BF16_RTOL)
 
 
 def test_cp2_on_nccl_matches_cp1():
@@ -30,4 +39,4 @@ def test_cp2_on_nccl_matches_cp1():
     reference = train(typed_config(COMMON))["history"]
     history = launch_world(typed_config(COMMON + ["cp=2"]))["history"]
     for a, b in zip(reference, history):
-        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-3)
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=BF16_RTOL)

@@ -9,6 +9,7 @@ CP rank starts from identical weights and runs at different cp are comparable.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from recipe.data.packing import PackedBatch
 from recipe.model.compat import silence_known_warnings
@@ -53,6 +54,7 @@ def build_transformer_config(
         num_attention_heads=model_cfg.num_attention_heads,
         num_query_groups=model_cfg.num_query_groups,
         ffn_hidden_size=model_cfg.ffn_hidden_size,
+        **({"gated_linear_unit": True, "activation_func": F.silu} if model_cfg.swiglu else {}),
         normalization="RMSNorm",
         hidden_dropout=0.0,
         attention_dropout=0.0,

@@ -37,6 +37,11 @@ class StepMetrics:
     """Micro-batches over all data-parallel ranks."""
     step_time_s: float
     tokens_per_s: float
+    tokens_per_s_per_device: float | None = None
+    """On GPU: tokens_per_s / world size."""
+    mfu: float | None = None
+    """Model FLOPs utilisation: the step's model FLOPs / time / (devices x peak), when the peak is
+    known (a known GPU, or trainer.peak_tflops)."""
     eval_lm_loss: float | None = None
     """Set on eval steps (every trainer.eval_every steps and the last)."""
 
@@ -62,6 +67,9 @@ class StepMetrics:
             step_time_s=self.step_time_s,
             tokens_per_s=self.tokens_per_s,
         )
+        for key in ("tokens_per_s_per_device", "mfu"):
+            if getattr(self, key) is not None:
+                record[key] = getattr(self, key)
         if self.eval_lm_loss is not None:
             record["eval_lm_loss"] = self.eval_lm_loss
         return record

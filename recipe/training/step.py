@@ -46,6 +46,8 @@ class StepWork:
     global_micro_batches: int
     global_mtp_tokens: list[int]
     """Per MTP layer: tokens it predicts over the whole step (empty with mtp=off)."""
+    lengths: list[int]
+    """Real length of every sequence of the step (all ranks)."""
 
     @property
     def report_names(self) -> list[str]:
@@ -93,6 +95,7 @@ def plan_step(
         global_padded_tokens=sum(aligned_length(n, alignment) for n in lengths),
         global_micro_batches=sum(len(p) for p in plans),
         global_mtp_tokens=global_mtp_token_counts(lengths, mtp_layers),
+        lengths=lengths,
     )
 
 

@@ -39,6 +39,11 @@ from recipe.training.loggers import NullLogger, RunLogger
 from recipe.training.metrics import StepMetrics, optimised_loss, summarize
 from recipe.training.optimizer import build_optimizer, grad_norm, lr_at, set_lr
 from recipe.training.step import StepWork, forward_step, loss_func, plan_step
+from recipe.training.throughput import (
+    device_peak_tflops,
+    linear_parameter_count,
+    model_flops_per_step,
+)
 
 
 class Trainer:
@@ -60,6 +65,11 @@ class Trainer:
         self.corpus = corpus
         self.model = build_model(cfg, corpus.tokenizer.vocab_size, device)
         self.optimizer = build_optimizer(self.model, cfg)
+        self.linear_params = linear_parameter_count(self.model)
+        self.attention_layers = cfg.model.num_layers + (
+            cfg.mtp.num_layers if cfg.mtp.enabled else 0
+        )
+        self.peak_tflops = device_peak_tflops(device, self.precision, cfg.trainer.peak_tflops)
         self.grad_group = groups.gradient_group()
         self.steps = StepStream(corpus.train, cfg.batching.tokens_per_step, cfg.data.seed)
         self.eval_chunks = [
@@ -109,6 +119,13 @@ class Trainer:
         lm_loss = totals[0][0] / work.global_predicted_tokens
         mtp_sums = [s for s, _ in totals[1:]]
         step_time = time.perf_counter() - step_start
+        world = self.layout.world_size
+        mfu = None
+        if self.peak_tflops:
+            flops = model_flops_per_step(
+                work.lengths, self.linear_params, self.cfg.model.hidden_size, self.attention_layers
+            )
+            mfu = flops / step_time / (world * self.peak_tflops * 1e12)
         metrics = StepMetrics(
             step=self.step,
             lm_loss=lm_loss,
@@ -121,6 +138,10 @@ class Trainer:
             micro_batches=work.global_micro_batches,
             step_time_s=step_time,
             tokens_per_s=work.global_real_tokens / step_time,
+            tokens_per_s_per_device=(
+                work.global_real_tokens / step_time / world if self.device.type == "cuda" else None
+            ),
+            mfu=mfu,
         )
         every = self.cfg.trainer.eval_every
         if self.step == self.cfg.trainer.max_steps or (every and self.step % every == 0):
