@@ -155,6 +155,8 @@ class DataConfig:
     """Share of documents held out for eval (pydoc, files); markov uses markov.num_eval_docs."""
     max_eval_tokens: int = 32768
     """Cap on eval tokens, to keep periodic eval cheap."""
+    tokenizer: str = "byte"
+    """byte (256 bytes + BOS/EOS/PAD, no file) | path of a Hugging Face tokenizer.json."""
     path: str | None = None
     """files: a `datasets.load_dataset` builder (json, parquet, text, csv) or a hub dataset name."""
     name: str | None = None

@@ -15,7 +15,7 @@ import numpy as np
 
 from recipe.config import ConfigError, DataConfig
 from recipe.data.sources import file_documents, markov_documents, pydoc_documents
-from recipe.data.tokenizer import ByteTokenizer, split_long
+from recipe.data.tokenizer import ByteTokenizer, FileTokenizer, load_tokenizer, split_long
 
 
 @dataclass
@@ -24,9 +24,10 @@ class Corpus:
     """Training sequences (token ids, BOS ... EOS), in source order."""
     eval: list[list[int]]
     """Held-out sequences, capped at data.max_eval_tokens."""
-    tokenizer: ByteTokenizer
+    tokenizer: ByteTokenizer | FileTokenizer
     entropy_floor: float | None
-    """Mean -log P_true(label | context) over the eval labels (Markov source only)."""
+    """Mean -log P_true(label | context) over the eval labels (Markov source with the byte
+    tokenizer only)."""
     baseline_loss: float
     """Loss of the best context-free predictor on the eval labels: their unigram entropy."""
 
@@ -46,7 +47,7 @@ def split_documents(
     return train, eval_
 
 
-def tokenize(docs: list[str], tokenizer: ByteTokenizer, max_seq_len: int) -> list[list[int]]:
+def tokenize(docs: list[str], tokenizer, max_seq_len: int) -> list[list[int]]:
     sequences = []
     for doc in docs:
         sequences.extend(split_long(tokenizer.encode(doc), max_seq_len))
@@ -72,7 +73,7 @@ def unigram_entropy(sequences: list[list[int]]) -> float:
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:
-    tokenizer = ByteTokenizer()
+    tokenizer = load_tokenizer(cfg.tokenizer)
     chain = None
     if cfg.source == "markov":
         train_docs, eval_docs, chain = markov_documents(cfg)
@@ -87,7 +88,8 @@ def load_corpus(cfg: DataConfig) -> Corpus:
             f"({len(train)} train, {len(eval_)} eval)"
         )
     floor = None
-    if chain is not None:
+    # The chain's floor is per letter: exact only when every letter is one token.
+    if chain is not None and isinstance(tokenizer, ByteTokenizer):
         log_probs = np.concatenate(
             [
                 chain.token_log_probs(np.asarray(s), tokenizer.bos_id, tokenizer.eos_id)
