@@ -32,6 +32,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 RTOL_BF16 = 2e-2
+# A small model and corpus: each part runs in seconds, the 1B preset only where it is the point.
+SMALL = [
+    "model.num_layers=2",
+    "model.hidden_size=256",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=512",
+    "data.max_seq_len=512",
+    "data.markov.mean_doc_len=150",
+    "data.markov.max_doc_len=500",
+    "data.markov.num_train_docs=600",
+    "data.markov.num_eval_docs=20",
+    "batching.tokens_per_step=4096",
+    "batching.max_tokens_per_rank=4096",
+    "trainer.eval_every=0",
+    "trainer.progress_bar=false",
+    "logger.wandb.mode=disabled",
+]
+
+
+def _config(overrides: list[str], small: bool = True):
+    from recipe.launch.compose import compose_typed
+
+    return compose_typed((SMALL if small else ["trainer.progress_bar=false"]) + overrides)
 
 
 class Skip(Exception):
@@ -180,11 +204,10 @@ def _te_to_local_name(name: str) -> str | None:
 def check_model_te_vs_torch(quick: bool) -> dict:
     _need_te()
     from recipe.data.packing import pack_sequences
+    from recipe.launch.local import lone_world
     from recipe.model.gpt import build_gpt_model
     from recipe.model.numerics import autocast
     from recipe.training.step import forward_step
-    from tests.helpers.config import typed_config
-    from tests.helpers.world import lone_world
 
     results = {}
     for mtp in (False, True):
@@ -193,7 +216,7 @@ def check_model_te_vs_torch(quick: bool) -> dict:
         with lone_world():
             models = {}
             for backend in ("torch", "te"):
-                cfg = typed_config(overrides + [f"model.attention_backend={backend}"])
+                cfg = _config(overrides + [f"model.attention_backend={backend}"])
                 models[backend] = build_gpt_model(
                     cfg.model,
                     vocab_size=259,
@@ -239,15 +262,11 @@ def check_model_te_vs_torch(quick: bool) -> dict:
 def check_bf16_vs_fp32(quick: bool) -> dict:
     _need_cuda()
     from recipe.training.trainer import train
-    from tests.helpers.config import typed_config
 
     steps = 10 if quick else 30
     common = [f"trainer.max_steps={steps}", "model.attention_backend=torch"]
     runs = {
-        p: [
-            h["lm_loss"]
-            for h in train(typed_config(common + [f"trainer.precision={p}"]))["history"]
-        ]
+        p: [h["lm_loss"] for h in train(_config(common + [f"trainer.precision={p}"]))["history"]]
         for p in ("fp32", "bf16")
     }
     worst = max(abs(a - b) / abs(a) for a, b in zip(runs["fp32"], runs["bf16"]))
@@ -262,7 +281,6 @@ def check_bf16_vs_fp32(quick: bool) -> dict:
 def check_mfu_1b(quick: bool) -> dict:
     _need_cuda()
     from recipe.training.trainer import train
-    from tests.helpers.config import typed_config
 
     overrides = [
         "model=gpt_1b",
@@ -274,7 +292,7 @@ def check_mfu_1b(quick: bool) -> dict:
         "batching.max_tokens_per_rank=16384",
         f"trainer.max_steps={3 if quick else 6}",
     ]
-    history = train(typed_config(overrides, tiny=False))["history"]
+    history = train(_config(overrides + ["logger.wandb.mode=disabled"], small=False))["history"]
     timed = history[1:]  # the first step carries warm-up
     mfu = [h.get("mfu") for h in timed]
     if any(m is None for m in mfu):

@@ -6,6 +6,7 @@ user sees the real error instead of a hang or a wall of launcher output.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -83,3 +84,19 @@ def _failure_text(failure) -> str:
         info = message.get("extraInfo", {})
         return f"{info.get('py_callstack', '')}{message.get('message', '')}".strip()
     return str(message)
+
+
+@contextlib.contextmanager
+def lone_world(seed: int = 0):
+    """This process as a world of one, with megatron's parallel state, for building and running
+    models outside a training run (tests, scripts); torn down afterwards."""
+    from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+    from recipe.parallel import groups
+
+    apply_cpu_compat()
+    layout = groups.init_distributed()
+    try:
+        seed_model_parallel_rng(seed)
+        yield layout
+    finally:
+        groups.shutdown_distributed()

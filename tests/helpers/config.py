@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
-from recipe.config import register_configs
-from recipe.launch.overrides import quote_numeric_group_choices
+from recipe.launch import compose
 from recipe.launch.task import to_typed
 
 ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = str(ROOT / "conf")
+CONF_DIR = str(compose.CONF_DIR)
 
 # Tiny model and data: real code paths, seconds per run.
 TINY = [
@@ -50,10 +47,7 @@ SHORT_SEQUENCES = [
 
 def compose_config(overrides: list[str] | None = None, tiny: bool = True):
     """The composed DictConfig, exactly as `python train.py OVERRIDES` would see it."""
-    register_configs()
-    args = (TINY if tiny else []) + list(overrides or [])
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose("train", overrides=quote_numeric_group_choices(args))
+    return compose.compose_config((TINY if tiny else []) + list(overrides or []))
 
 
 def typed_config(overrides: list[str] | None = None, tiny: bool = True, output_dir=None):
