@@ -158,3 +158,23 @@ def test_cli_te_backend_without_cuda_stops_before_any_work(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "config error: model.attention_backend=te needs CUDA" in result.stderr
     assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+def test_the_root_failure_is_reported_first_even_when_a_peer_is_noticed_first():
+    """Seen in CI: rank 1 raised, rank 0's all_reduce then lost its peer and the agent noticed
+    rank 0 first (and SIGTERMed rank 1 after it had recorded its error)."""
+    from types import SimpleNamespace
+
+    from recipe.launch.local import _describe_failures
+
+    def failure(exitcode, message, timestamp=0):
+        return SimpleNamespace(exitcode=exitcode, message=message, timestamp=timestamp)
+
+    lost_peer = {"message": "RuntimeError: Connection closed by peer [127.0.0.1]:61677"}
+    injected = {"message": "RuntimeError: injected failure on rank 1"}
+    text = _describe_failures({0: failure(-6, lost_peer), 1: failure(-15, injected, timestamp=1)})
+    assert text.startswith("rank 1 failed (exit code -15)") and "injected failure" in text
+    assert "(also failed: rank 0, exit code -6: RuntimeError: Connection closed by peer" in text
+    # No recorded error at all (killed before writing one) ranks after a recorded one.
+    text = _describe_failures({0: failure(-15, "no error file"), 1: failure(1, injected, 5)})
+    assert text.startswith("rank 1 failed")

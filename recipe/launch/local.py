@@ -66,11 +66,35 @@ def launch_world(cfg: TrainConfig, entrypoint=_worker) -> dict:
     try:
         results = elastic_launch(launch_cfg, entrypoint=entrypoint)(cfg)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        raise RanksFailed(
-            f"rank {rank} failed (exit code {failure.exitcode}):\n{_failure_text(failure)}"
-        ) from None
+        raise RanksFailed(_describe_failures(err.failures)) from None
     return results[0]
+
+
+# What a rank reports when it failed only because another one died first.
+_SECONDARY = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer")
+
+
+def _describe_failures(failures: dict) -> str:
+    """The root failure in full, then one line per other failed rank.
+
+    When one rank dies, its peers' collectives fail too and the launcher may notice them first;
+    the rank whose recorded error is not about a lost peer is the cause.
+    """
+
+    def secondary(item) -> tuple:
+        rank, failure = item
+        lost_peer = any(marker in _failure_text(failure) for marker in _SECONDARY)
+        # A rank the agent terminated may still have recorded its own error before: keep that.
+        recorded = isinstance(failure.message, dict)
+        return (lost_peer, not recorded, failure.timestamp, rank)
+
+    ordered = sorted(failures.items(), key=secondary)
+    (rank, failure), others = ordered[0], ordered[1:]
+    lines = [f"rank {rank} failed (exit code {failure.exitcode}):\n{_failure_text(failure)}"]
+    for other_rank, other in others:
+        last = (_failure_text(other).strip().splitlines() or ["(no error recorded)"])[-1]
+        lines.append(f"(also failed: rank {other_rank}, exit code {other.exitcode}: {last})")
+    return "\n".join(lines)
 
 
 class RanksFailed(RuntimeError):
