@@ -100,14 +100,14 @@ def test_cli_data_files_trains_on_a_local_jsonl(tmp_path):
 
 
 def test_launcher_environment_is_used_when_present(monkeypatch):
-    from recipe.launch.environment import launched_externally
+    from recipe.launch.environment import adopt_environment
 
-    assert not launched_externally()
+    assert not adopt_environment().external
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("SLURM_NTASKS", "8")
-    assert not launched_externally(), "SLURM without MASTER_ADDR cannot rendezvous"
+    assert not adopt_environment().external, "SLURM without MASTER_ADDR cannot rendezvous"
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    assert launched_externally()
+    assert adopt_environment().external
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("3", "8")
 
 

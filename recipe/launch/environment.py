@@ -81,10 +81,6 @@ def adopt_environment(environ: MutableMapping[str, str] = os.environ) -> Process
     return env
 
 
-def launched_externally() -> bool:
-    return adopt_environment().external
-
-
 def compute_device(local_rank: int):
     """The GPU of this local rank where CUDA exists, else the CPU."""
     import torch
