@@ -248,9 +248,15 @@ class MTPConfig:
     """MTP depth: layer k (1-based) predicts the token k+1 positions after the next one."""
     loss_scaling_factor: float = 0.1
     """Weight of the MTP loss (mean over layers) in the optimised loss."""
+    scaling: str = "exact"
+    """How each MTP target is weighted in the gradient. exact: 1 / (global count of its layer
+    over the step), so the MTP term is the mean over layers of each layer's global mean, whatever
+    the layout. upstream: the installed megatron-core's own weighting, untouched (on 0.19 it
+    depends on the CP/DP layout; see README "What the recipe finds in megatron-core")."""
 
     def __post_init__(self) -> None:
         _positive("mtp.num_layers", self.num_layers)
+        _one_of("mtp.scaling", self.scaling, ("exact", "upstream"))
         _require(
             self.loss_scaling_factor >= 0,
             f"mtp.loss_scaling_factor must be >= 0, got {self.loss_scaling_factor}",

@@ -18,18 +18,27 @@ def test_local_mtp_token_ratio_is_detected_where_megatron_has_it():
     assert compat.mtp_loss_has_local_token_ratio() is expected
 
 
-def test_mtp_backward_scale_undoes_the_local_ratio(monkeypatch):
-    lm, first = torch.tensor(40.0), torch.tensor(30.0)
+def test_mtp_layer_scales_are_global_per_layer_and_undo_the_local_ratio(monkeypatch):
+    lm, layers = torch.tensor(40.0), torch.tensor([30.0, 0.0, 25.0])
+    global_counts = [120, 0, 90]
     monkeypatch.setattr(compat, "mtp_loss_has_local_token_ratio", lambda: False)
-    assert float(compat.mtp_backward_scale(120, lm, first)) == pytest.approx(1 / 120)
+    plain = compat.mtp_layer_backward_scales(global_counts, lm, layers).tolist()
+    assert plain == pytest.approx([1 / 120, 0.0, 1 / 90])
     monkeypatch.setattr(compat, "mtp_loss_has_local_token_ratio", lambda: True)
-    scale = float(compat.mtp_backward_scale(120, lm, first))
-    # megatron multiplies by lm / first; the product is the global 1 / 120.
-    assert scale * float(lm / first) == pytest.approx(1 / 120)
-    # A rank whose micro-batch has no MTP target: megatron clamps the count at 1, so do we.
-    empty = compat.mtp_backward_scale(120, lm, torch.tensor(0.0))
-    assert float(empty) == pytest.approx(1 / 120 / 40)
-    assert float(compat.mtp_backward_scale(0, lm, first)) == 0.0
+    undone = compat.mtp_layer_backward_scales(global_counts, lm, layers)
+    # megatron multiplies layer k by lm / clamp(count_k, 1); the product is the global 1 / N_k.
+    megatron_ratio = lm / layers.clamp(min=1)
+    assert (undone * megatron_ratio).tolist() == pytest.approx([1 / 120, 0.0, 1 / 90])
+
+
+def test_exact_scaling_refuses_a_megatron_that_never_takes_the_scales():
+    """If megatron stopped calling the autoscaler the recipe replaces, the queued per-layer
+    scales stay unused: that must stop the run, not fall back silently to megatron's weighting."""
+    local_layers = torch.tensor([45.0, 40.0])
+    compat.prepare_mtp_backward("exact", 100, [90, 80], torch.tensor(50.0), local_layers)
+    with pytest.raises(RuntimeError, match="not taken by megatron"):
+        compat.confirm_mtp_backward_taken()
+    compat.confirm_mtp_backward_taken()  # the queue was cleared: the next step starts clean
 
 
 def test_mtp_loss_means_are_read_and_reset_on_this_stack():
@@ -37,17 +46,22 @@ def test_mtp_loss_means_are_read_and_reset_on_this_stack():
 
     from tests.helpers.world import lone_world
 
-    with lone_world():
+    def save(losses: list[float]) -> None:
         helper = MTPLossLoggingHelper
-        if hasattr(helper, "save_metrics_to_tracker"):  # 0.19
-            one = torch.tensor(1.0)
-            helper.save_metrics_to_tracker(torch.tensor(2.5), one, one, 0, 2)
-            helper.save_metrics_to_tracker(torch.tensor(0.5), one, one, 1, 2)
-        else:  # 0.16
-            helper.save_loss_to_tracker(torch.tensor(2.5), 0, 2)
-            helper.save_loss_to_tracker(torch.tensor(0.5), 1, 2)
+        for layer, loss in enumerate(losses):
+            if hasattr(helper, "save_metrics_to_tracker"):  # 0.19
+                one = torch.tensor(1.0)
+                helper.save_metrics_to_tracker(torch.tensor(loss), one, one, layer, len(losses))
+            else:  # 0.16
+                helper.save_loss_to_tracker(torch.tensor(loss), layer, len(losses))
+
+    with lone_world():
+        save([2.5, 0.5])
         assert compat.take_mtp_loss_means(2).tolist() == [2.5, 0.5]
         assert compat.take_mtp_loss_means(2).tolist() == [0.0, 0.0], "reset after read"
+        # A later model with more MTP layers in the same process (a one-process sweep).
+        save([1.0, 2.0, 3.0])
+        assert compat.take_mtp_loss_means(3).tolist() == [1.0, 2.0, 3.0]
 
 
 def test_te_cp_comm_types_are_checked_against_the_te_version():

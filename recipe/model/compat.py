@@ -5,16 +5,17 @@ The rest of the recipe calls these functions and never checks a version itself. 
 is detected by the feature it concerns (an attribute, a line of the installed source) rather than
 by a version number, so a release in between behaves by what it actually does.
 
-- MTP loss logging: 0.16 keeps the per-layer mean in `tracker["values"]` and resets it with
-  `clean_loss_in_tracker`; 0.19 keeps `tracker["loss_values"]` (plus acceptance counts) and resets
-  with `clean_metrics_in_tracker`.
-- MTP gradient with per-token losses: 0.19 (Megatron-LM PR #3159) multiplies each rank's
-  per-token MTP loss by the LOCAL ratio `original_num_tokens / num_tokens` of its micro-batch
-  (`process_mtp_loss`), which makes the trained model depend on how tokens fall on ranks. The
-  recipe wants every MTP target weighted by 1 / (global count of the first MTP layer), as on 0.16;
-  the backward scale handed to megatron divides the local ratio back out. For the first MTP layer
-  this is exact on both releases; deeper layers on 0.19 keep a factor num_1 / num_k of local
-  counts (exact when every rank holds whole sequences, as at cp=1 and dp=1).
+- MTP loss logging: 0.16 keeps the per-layer mean in `tracker["values"]`, 0.19 in
+  `tracker["loss_values"]` (plus acceptance counts).
+- MTP gradient with per-token losses: megatron hands every MTP target one backward scale, the
+  class attribute `MTPLossAutoScaler.main_loss_backward_scale`, for all MTP layers alike. 0.16
+  applies it as is; 0.19 (Megatron-LM PR #3159) first multiplies each rank's per-token MTP loss by
+  the LOCAL ratio `original_num_tokens / num_tokens` of its micro-batch (`process_mtp_loss`),
+  which makes the trained model depend on how tokens fall on ranks. `mtp.scaling=exact` replaces
+  the autoscaler at its call site by one that takes a scale per MTP layer (`prepare_mtp_backward`),
+  chosen so that every target of layer k weighs 1 / (global count of layer k), the local ratio
+  divided back out where the release applies it. `mtp.scaling=upstream` leaves the release's
+  behaviour alone.
 - GPTModel is deprecated in 0.19 in favour of HybridModel but still supported there; its warning
   on every model build is silenced.
 - Transformer Engine's context-parallel attention supports packed (THD) batches with p2p in every
@@ -58,37 +59,123 @@ def take_mtp_loss_means(num_layers: int) -> torch.Tensor:
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     tracker = MTPLossLoggingHelper.tracker
-    key = "loss_values" if hasattr(MTPLossLoggingHelper, "clean_metrics_in_tracker") else "values"
+    key = "loss_values" if "loss_values" in tracker else "values"
     if key not in tracker:
         return torch.zeros(num_layers, dtype=torch.float64)
     means = tracker[key].detach().double().clone()  # stays on the device: no host sync
-    if key == "loss_values":
-        MTPLossLoggingHelper.clean_metrics_in_tracker()
-    else:
-        MTPLossLoggingHelper.clean_loss_in_tracker()
+    # Emptied rather than zeroed (megatron's own clean-up keeps the tensors): megatron sizes them
+    # on first use, so a later model with more MTP layers in the same process (a sweep over
+    # mtp.num_layers in one Hydra process) would index past them.
+    tracker.clear()
     return means
 
 
-def mtp_backward_scale(
-    global_first_layer_count: int,
+MTP_SCALINGS = ("exact", "upstream")
+
+_pending_layer_scales: list[torch.Tensor] = []
+"""Per MTP layer of the coming forward, the backward scale its autoscaler takes (exact mode)."""
+
+
+@functools.cache
+def _per_layer_autoscaler():
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    class PerLayerMTPLossAutoScaler(MTPLossAutoScaler):
+        """megatron's autoscaler, but each call (one per MTP layer, in layer order) takes its own
+        backward scale from the queue filled by `prepare_mtp_backward`; with an empty queue
+        (mtp.scaling=upstream, evaluation) it is megatron's: one class-wide scale."""
+
+        @staticmethod
+        def forward(ctx, output: torch.Tensor, mtp_loss: torch.Tensor):
+            ctx.save_for_backward(mtp_loss)
+            ctx.layer_scale = _pending_layer_scales.pop(0) if _pending_layer_scales else None
+            return output
+
+        @staticmethod
+        def backward(ctx, grad_output: torch.Tensor):
+            (mtp_loss,) = ctx.saved_tensors
+            scale = ctx.layer_scale
+            if scale is None:
+                scale = MTPLossAutoScaler.main_loss_backward_scale
+            return grad_output, torch.ones_like(mtp_loss) * scale.to(mtp_loss.device)
+
+    return MTPLossAutoScaler, PerLayerMTPLossAutoScaler
+
+
+def install_exact_mtp_scaling() -> None:
+    """Swap megatron's MTP autoscaler for the per-layer one where megatron calls it (the GPT
+    model on 0.16, `process_mtp_loss` on 0.19). Idempotent; harmless for later upstream runs."""
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.transformer import multi_token_prediction
+
+    original, per_layer = _per_layer_autoscaler()
+    for module in (gpt_model, multi_token_prediction):
+        if getattr(module, "MTPLossAutoScaler", None) is original:
+            module.MTPLossAutoScaler = per_layer
+
+
+def mtp_layer_backward_scales(
+    global_layer_counts: list[int],
     local_lm_count: torch.Tensor,
-    local_first_layer_count: torch.Tensor,
+    local_layer_counts: torch.Tensor,
 ) -> torch.Tensor:
-    """The gradient megatron must give each MTP target of one micro-batch on this rank so that
-    the MTP term is sum / (global count of the first MTP layer), whatever the layout.
+    """[num_layers] backward scale per MTP layer for one micro-batch on this rank, so that each
+    target of layer k weighs exactly 1 / (global count of layer k over the step).
 
     `local_lm_count` is the micro-batch's loss-mask count on this rank (megatron's
-    `original_num_tokens`), `local_first_layer_count` its first MTP layer's (`num_tokens`).
-    Stays on the counts' device: no host synchronisation.
+    `original_num_tokens`), `local_layer_counts` each layer's count (`num_tokens`). A layer with no
+    target anywhere gets 0. Stays on the counts' device: no host synchronisation.
     """
-    if not global_first_layer_count:
-        return torch.tensor(0.0)
-    scale = torch.tensor(1.0 / global_first_layer_count)
-    if not mtp_loss_has_local_token_ratio():
-        return scale
-    # megatron multiplies by local_lm / clamp(local_first, 1); multiply by its inverse.
-    ratio = local_first_layer_count.clamp(min=1) / local_lm_count.clamp(min=1)
-    return scale.to(ratio.device) * ratio
+    device = local_layer_counts.device
+    counts = torch.tensor(global_layer_counts, dtype=torch.float64, device=device)
+    scales = torch.where(counts > 0, 1.0 / counts.clamp(min=1), torch.zeros_like(counts))
+    if mtp_loss_has_local_token_ratio():
+        # megatron multiplies by local_lm / clamp(local_k, 1); multiply by its inverse.
+        local_ratio = local_layer_counts.double().clamp(min=1) / local_lm_count.double().clamp(
+            min=1
+        )
+        scales = scales * local_ratio
+    return scales.float()
+
+
+def prepare_mtp_backward(
+    scaling: str,
+    global_lm_count: int,
+    global_layer_counts: list[int],
+    local_lm_count: torch.Tensor,
+    local_layer_counts: torch.Tensor,
+) -> None:
+    """Before the forward of one training micro-batch: set what megatron's MTP autoscaler gives
+    the MTP targets at backward time.
+
+    exact: per layer, `mtp_layer_backward_scales` (needs `install_exact_mtp_scaling`).
+    upstream: what megatron's own schedule does with per-token losses: a scale of 1 and every
+    gradient divided by the step's global main-loss count (`finalize_model_grads`), which the
+    recipe folds into the one scale.
+    """
+    original, _ = _per_layer_autoscaler()
+    _pending_layer_scales.clear()
+    if scaling == "exact":
+        scales = mtp_layer_backward_scales(global_layer_counts, local_lm_count, local_layer_counts)
+        _pending_layer_scales.extend(scales.unbind())
+    else:
+        # Set on megatron's class itself: its `set_loss_scale` looks the class up by module name,
+        # which after `install_exact_mtp_scaling` is the subclass.
+        original.main_loss_backward_scale = torch.tensor(1.0 / max(global_lm_count, 1))
+
+
+def confirm_mtp_backward_taken() -> None:
+    """After the forward: every queued per-layer scale must have been taken by an MTP layer.
+    Left over means megatron no longer calls the autoscaler the recipe replaced, and the MTP
+    gradient would silently be megatron's, not the exact one."""
+    if _pending_layer_scales:
+        left = len(_pending_layer_scales)
+        _pending_layer_scales.clear()
+        raise RuntimeError(
+            f"mtp.scaling=exact: {left} MTP layer scale(s) were not taken by megatron's MTP "
+            "autoscaler; this megatron-core calls it elsewhere. Use mtp.scaling=upstream or "
+            "update recipe/model/compat.py"
+        )
 
 
 class _DropGPTModelDeprecation(logging.Filter):

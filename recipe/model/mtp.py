@@ -28,12 +28,3 @@ def mtp_label_masks(
 def global_mtp_token_counts(lengths: list[int], num_layers: int) -> list[int]:
     """Tokens each MTP layer predicts over a set of sequences: L-2-k per sequence."""
     return [sum(max(0, n - 2 - k) for n in lengths) for k in range(num_layers)]
-
-
-def set_mtp_backward_scale(scale: float | torch.Tensor) -> None:
-    """With per-token losses megatron hands the MTP block a gradient of `scale` per token (read
-    at backward time); see `compat.mtp_backward_scale` for the value that makes the MTP
-    term a global mean, invariant to cp and batching."""
-    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
-
-    MTPLossAutoScaler.set_loss_scale(scale if torch.is_tensor(scale) else torch.tensor(scale))

@@ -75,13 +75,20 @@ class StepMetrics:
         return record
 
 
+def mtp_layer_means(mtp_sums: list[float], mtp_counts: list[int]) -> tuple[float | None, ...]:
+    """Per MTP layer, its global mean over the step (None: no sequence gave it a target)."""
+    return tuple(s / n if n else None for s, n in zip(mtp_sums, mtp_counts))
+
+
 def optimised_loss(lm_loss: float, mtp_sums: list[float], mtp_counts: list[int], scale: float):
-    """`loss`: lm_loss + scale * mean over MTP layers of (sum / N), with N the first layer's
-    global token count (megatron applies one backward scale to all layers), so with one layer it
-    is exactly lm_loss + scale * mtp_loss."""
-    if not mtp_counts or not mtp_counts[0]:
+    """`loss`: lm_loss + scale * mean over MTP layers of each layer's global mean (a layer with
+    no target counts 0), which is what mtp.scaling=exact optimises; with one layer, or every
+    layer with targets, exactly lm_loss + scale * mtp_loss. (With mtp.scaling=upstream it is
+    the same reference value; megatron's own weighting is release-dependent.)"""
+    if not mtp_counts:
         return lm_loss
-    return lm_loss + scale * sum(mtp_sums) / len(mtp_sums) / mtp_counts[0]
+    means = [m or 0.0 for m in mtp_layer_means(mtp_sums, mtp_counts)]
+    return lm_loss + scale * sum(means) / len(means)
 
 
 def _finite_or_none(value):

@@ -22,11 +22,12 @@ from recipe.data.thd import aligned_length
 from recipe.launch.environment import read_environment
 from recipe.model.compat import (
     check_te_cp_comm_type,
-    mtp_backward_scale,
+    confirm_mtp_backward_taken,
+    install_exact_mtp_scaling,
+    prepare_mtp_backward,
     transformer_engine_version,
 )
 from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
-from recipe.model.mtp import set_mtp_backward_scale
 from recipe.model.numerics import (
     apply_determinism,
     autocast,
@@ -36,7 +37,7 @@ from recipe.model.numerics import (
 from recipe.parallel import collectives, groups
 from recipe.parallel.layout import ParallelLayout
 from recipe.training.loggers import NullLogger, RunLogger
-from recipe.training.metrics import StepMetrics, optimised_loss, summarize
+from recipe.training.metrics import StepMetrics, mtp_layer_means, optimised_loss, summarize
 from recipe.training.optimizer import build_optimizer, grad_norm, lr_at, set_lr
 from recipe.training.step import StepWork, forward_step, loss_func, plan_step
 from recipe.training.throughput import (
@@ -130,7 +131,7 @@ class Trainer:
             step=self.step,
             lm_loss=lm_loss,
             loss=optimised_loss(lm_loss, mtp_sums, mtp_counts, self.cfg.mtp.loss_scaling_factor),
-            mtp_layer_losses=tuple(s / n if n else None for s, n in zip(mtp_sums, mtp_counts)),
+            mtp_layer_losses=mtp_layer_means(mtp_sums, mtp_counts),
             grad_norm=norm,
             lr=lr,
             tokens=work.global_real_tokens,
@@ -154,14 +155,19 @@ class Trainer:
         names = work.report_names
         totals = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
         for batch in work.micro_batches:
+            if work.global_mtp_tokens:
+                prepare_mtp_backward(
+                    self.cfg.mtp.scaling,
+                    work.global_predicted_tokens,
+                    work.global_mtp_tokens,
+                    batch.loss_mask.sum(),
+                    batch.mtp_mask.sum(-1),
+                )
             with autocast(self.device, self.precision):
                 output = forward_step(batch, self.model, self.cfg.passes_position_ids)
-            loss_sum, num_tokens, report = loss_func(batch, output)
             if work.global_mtp_tokens:
-                first = work.global_mtp_tokens[0]
-                set_mtp_backward_scale(
-                    mtp_backward_scale(first, num_tokens, batch.mtp_mask[0].sum())
-                )
+                confirm_mtp_backward_taken()
+            loss_sum, num_tokens, report = loss_func(batch, output)
             (loss_sum / work.global_predicted_tokens).backward()
             totals += torch.stack([report[name] for name in names])
         return totals
@@ -222,6 +228,8 @@ class Trainer:
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | None = None):
     from recipe.model.gpt import build_gpt_model
 
+    if cfg.mtp.enabled and cfg.mtp.scaling == "exact":
+        install_exact_mtp_scaling()
     return build_gpt_model(
         cfg.model,
         mtp_cfg=cfg.mtp,
