@@ -68,6 +68,9 @@ class ModelConfig:
     """Std of the normal weight initialisation."""
     tie_embeddings: bool = False
     """Share input embedding and output layer weights."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding and output layer are padded to a multiple of this (megatron's convention), the
+    same at every tp so that runs at different tp train the same model; must divide by tp."""
     pass_position_ids: str = "auto"
     """When the model call gets position_ids: auto (whenever learned positions or the MTP block
     read them, never into a vision model) | mtp_only (verl after PR #6267) | not_vision (verl
@@ -81,6 +84,7 @@ class ModelConfig:
             "num_query_groups",
             "ffn_hidden_size",
             "rotary_base",
+            "make_vocab_size_divisible_by",
         ):
             _positive(f"model.{name}", getattr(self, name))
         _positive("model.init_method_std", self.init_method_std)
@@ -235,7 +239,26 @@ class ParallelConfig:
     dp: int = 1
     """Data-parallel replicas."""
     tp: int = 1
-    """Tensor-parallel size (only 1 is supported by the recipe's layers for now)."""
+    """Tensor-parallel size: 1, 2 or 4 (megatron-core's column/row-parallel linears, vocab-parallel
+    embedding and cross entropy)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism: with tp > 1, activations outside the tensor-parallel
+    linears (norms, dropout, residuals) are split along the tokens across tp ranks."""
+    pp: int = 1
+    """Pipeline-parallel size: only 1 (see README "Tensor parallelism" for why)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            not self.sequence_parallel or self.tp > 1,
+            "parallel.sequence_parallel=true splits tokens across tensor-parallel ranks and needs "
+            "parallel.tp > 1; set parallel.tp=2 or parallel.sequence_parallel=false",
+        )
+        _require(
+            self.pp == 1,
+            f"parallel.pp={self.pp}: pipeline parallelism is not supported (megatron-core's "
+            "pipeline schedule needs CUDA streams and device tensors for its p2p exchange); use "
+            "parallel.pp=1 and parallel.tp / cp / parallel.dp",
+        )
 
 
 @dataclass
@@ -412,6 +435,8 @@ class TrainConfig:
             f"sequence (data.max_seq_len={self.data.max_seq_len}); raise it or lower max_seq_len",
         )
 
+        self._check_tensor_parallel()
+
         if self.cp.comm_type == "a2a" and self.cp.size > 1:
             m = self.model
             _require(
@@ -434,6 +459,22 @@ class TrainConfig:
                 not self.mtp.enabled,
                 f"mtp=on needs position_ids (the MTP block embeds the shifted tokens at their "
                 f"positions), but {policy} passes none; use model.pass_position_ids=auto or always",
+            )
+
+    def _check_tensor_parallel(self) -> None:
+        """What tp splits must divide by tp: megatron would fail later, deep inside a layer."""
+        tp, m = self.parallel.tp, self.model
+        for name, value in (
+            ("model.num_attention_heads", m.num_attention_heads),
+            ("model.num_query_groups", m.num_query_groups),
+            ("model.ffn_hidden_size", m.ffn_hidden_size),
+            ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
+        ):
+            _require(
+                value % tp == 0,
+                f"parallel.tp={tp} splits {name}={value} across tensor-parallel ranks, but it is "
+                f"not divisible by {tp}; choose {name} as a multiple of {tp} or a smaller "
+                "parallel.tp",
             )
 
     @property

@@ -40,8 +40,8 @@ class Packed:
         return sum(self.padded)
 
 
-def pack(lengths: list[int], cp: int, extra_chunks: list[int] | None = None) -> Packed:
-    alignment = 2 * cp
+def pack(lengths: list[int], cp: int, extra_chunks: list[int] | None = None, tp: int = 1) -> Packed:
+    alignment = 2 * cp * tp
     extra_chunks = extra_chunks or [0] * len(lengths)
     padded = [
         -(-length // alignment) * alignment + e * alignment
@@ -286,6 +286,50 @@ def test_single_sequence_of_4803_tokens_at_cp2():
     _, fixed1 = verl_preprocess(batch.sequences, batch.cu_seqlens_padded, cp, 1, "verl_fixed")
     assert bool((legacy1[half:] != fixed1[half:]).all())
     assert torch.equal(legacy1[half:] - fixed1[half:], torch.full((half,), half))
+
+
+# --- tensor parallelism: verl pads a short sequence before clamping -------------------------
+
+
+def test_verl_references_at_tp2_on_a_sequence_shorter_than_the_alignment():
+    """cp=2, tp=2: alignment 8, one sequence of 5 tokens padded to 8, chunks of 2 slots. Rank 1
+    holds slots [2, 3] and [4, 5]; slot 4 is the last real token (true position 4). verl pads
+    the 5 tokens to 8 before clamping the back chunk's end, so its pre-fix formula numbers the
+    back chunk [6, 7], as verl's own function does; clamping at the real length instead would
+    give [7, 0]. The fixed formula gives the true 4 either way."""
+    batch = pack([5], cp=2, tp=2)
+    _, legacy = verl_preprocess(batch.sequences, batch.cu_seqlens_padded, 2, 1, "verl_legacy", 2)
+    ids, fixed = verl_preprocess(batch.sequences, batch.cu_seqlens_padded, 2, 1, "verl_fixed", 2)
+    assert legacy.tolist() == [2, 3, 6, 7]
+    assert fixed.tolist() == [2, 3, 4, 0]
+    assert ids.tolist() == [3, 4, 5, 0]  # tokens 3, 4, 5 (ids start at 1); slot 5 is padding
+    # The same sequence at tp=1: 5 tokens are not shorter than the alignment (4), so verl clamps
+    # at the real length and its pre-fix formula numbers the one real back slot from the end.
+    batch1 = pack([5], cp=2)
+    _, legacy1 = verl_preprocess(batch1.sequences, batch1.cu_seqlens_padded, 2, 1, "verl_legacy")
+    assert legacy1.tolist() == [2, 3, 7, 0]
+
+
+@PROPERTY
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    cp=st.sampled_from([2, 4]),
+    tp=st.sampled_from([1, 2, 4]),
+)
+def test_index_path_matches_verl_fixed_on_real_tokens_at_every_tp(lengths, cp, tp):
+    batch = pack(lengths, cp, tp=tp)
+    for rank in range(cp):
+        ids, pos = index_preprocess(
+            batch.input_ids, batch.position_ids, batch.cu_seqlens_padded, cp, rank
+        )
+        ref_ids, ref_pos = verl_preprocess(
+            batch.sequences, batch.cu_seqlens_padded, cp, rank, "verl_fixed", tp
+        )
+        values = verl_shard_values(batch.sequences, batch.cu_seqlens_padded, cp, rank, tp)
+        real = real_token_mask(batch.cu_seqlens, batch.cu_seqlens_padded, cp, rank)
+        assert torch.equal(ids, ref_ids), "verl leaves padding slots at 0, as the index path"
+        assert torch.equal(values, ref_ids)
+        assert torch.equal(pos[real], ref_pos[real])
 
 
 # --- validation --------------------------------------------------------------------------------

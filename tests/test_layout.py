@@ -13,7 +13,7 @@ from recipe.parallel.layout import ParallelDims
 
 dims_st = st.builds(
     ParallelDims,
-    tp=st.just(1),
+    tp=st.sampled_from([1, 2, 4]),
     cp=st.integers(min_value=1, max_value=8),
     dp=st.integers(min_value=1, max_value=8),
 )
@@ -61,7 +61,7 @@ def test_alignment_and_world_size():
     [
         ({"cp": 0}, "cp.size must be > 0"),
         ({"dp": 0}, "parallel.dp must be > 0"),
-        ({"tp": 2}, "parallel.tp=2: only tp=1"),
+        ({"tp": 3}, "parallel.tp=3 is not supported; use one of 1, 2, 4"),
     ],
 )
 def test_bad_degrees_name_the_config_field(kwargs, fragment):

@@ -34,11 +34,19 @@ def resolve_attention_backend(name: str) -> str:
     return name
 
 
+def padded_vocab_size(vocab_size: int, multiple: int) -> int:
+    """The embedding's row count: the tokenizer's vocabulary rounded up to `multiple` (the same at
+    every tp, so runs at different tp train the same model). Padded ids are never inputs or
+    labels; their logits only take part in the softmax, as in Megatron-LM."""
+    return -(-vocab_size // multiple) * multiple
+
+
 def build_transformer_config(
     model_cfg,
     *,
     cp_size: int = 1,
     tp_size: int = 1,
+    sequence_parallel: bool = False,
     mtp_cfg=None,
     deterministic: bool = True,
     cp_comm_type: str = "p2p",
@@ -61,6 +69,7 @@ def build_transformer_config(
         add_bias_linear=False,
         init_method_std=model_cfg.init_method_std,
         tensor_model_parallel_size=tp_size,
+        sequence_parallel=sequence_parallel,
         context_parallel_size=cp_size,
         cp_comm_type=cp_comm_type if cp_size > 1 else None,
         use_cpu_initialization=True,
@@ -78,6 +87,18 @@ def build_transformer_config(
     )
 
 
+class TorchRMSNorm:
+    """megatron's `WrappedTorchNorm` (torch.nn.RMSNorm) for the torch backend, which also runs
+    under sequence parallelism: the weight is marked `sequence_parallel`, so the trainer sums its
+    gradient over tensor-parallel ranks (each saw only its share of the tokens). megatron's own
+    wrapper refuses sequence parallelism; TE's and Apex's norms are not available on CPU."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
 def build_layer_spec(backend: str):
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -91,7 +112,16 @@ def build_layer_spec(backend: str):
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = PackedCausalAttention
+    spec.submodules.input_layernorm = TorchRMSNorm
+    spec.submodules.pre_mlp_layernorm = TorchRMSNorm
     return spec
+
+
+def _use_recipe_norms(mtp_block_spec) -> None:
+    """The MTP layers' own norms (embedding, hidden, final) on the torch backend."""
+    for layer_spec in mtp_block_spec.layer_specs:
+        for name in ("enorm", "hnorm", "layer_norm"):
+            setattr(layer_spec.submodules, name, TorchRMSNorm)
 
 
 def build_gpt_model(
@@ -102,6 +132,7 @@ def build_gpt_model(
     seed: int,
     cp_size: int = 1,
     tp_size: int = 1,
+    sequence_parallel: bool = False,
     mtp_cfg=None,
     device: torch.device | None = None,
     deterministic: bool = True,
@@ -121,22 +152,32 @@ def build_gpt_model(
         model_cfg,
         cp_size=cp_size,
         tp_size=tp_size,
+        sequence_parallel=sequence_parallel,
         mtp_cfg=mtp_cfg,
         deterministic=deterministic,
         cp_comm_type=cp_comm_type,
     )
     layer_spec = build_layer_spec(backend)
+    decoder_spec = layer_spec
+    if backend != "te":
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        decoder_spec = TransformerBlockSubmodules(
+            layer_specs=[layer_spec] * config.num_layers, layer_norm=TorchRMSNorm
+        )
     mtp_block_spec = None
     if config.mtp_num_layers:
         mtp_block_spec = get_gpt_mtp_block_spec(
             config, layer_spec, use_transformer_engine=backend == "te"
         )
+        if backend != "te":
+            _use_recipe_norms(mtp_block_spec)
     torch.manual_seed(seed)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec,
+        transformer_layer_spec=decoder_spec,
         mtp_block_spec=mtp_block_spec,
-        vocab_size=vocab_size,
+        vocab_size=padded_vocab_size(vocab_size, model_cfg.make_vocab_size_divisible_by),
         max_sequence_length=max_sequence_length,
         pre_process=True,
         post_process=True,

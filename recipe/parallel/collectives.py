@@ -39,6 +39,16 @@ def all_reduce_gradients(parameters, group) -> None:
         offset += g.numel()
 
 
+def all_reduce_sequence_parallel_gradients(parameters, tp_group) -> None:
+    """Sum, over tensor-parallel ranks, the gradients of parameters that saw only this rank's
+    share of the tokens under sequence parallelism (megatron marks them `sequence_parallel`)."""
+    if dist.get_world_size(tp_group) == 1:
+        return
+    shared = [p for p in parameters if getattr(p, "sequence_parallel", False)]
+    if shared:
+        all_reduce_gradients(shared, tp_group)
+
+
 class _AllGatherSumBackward(torch.autograd.Function):
     """All-gather along dim 0; backward sums the gradient over the group, keeps this rank's slice.
 

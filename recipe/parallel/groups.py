@@ -98,6 +98,12 @@ def gradient_group():
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
+def tp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
 def cp_group():
     from megatron.core import parallel_state
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from recipe.errors import ConfigError
 
-SUPPORTED_TP = (1,)
+SUPPORTED_TP = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,10 @@ class ParallelDims:
         if self.dp <= 0:
             raise ConfigError(f"parallel.dp must be > 0, got {self.dp}")
         if self.tp not in SUPPORTED_TP:
-            raise ConfigError(f"parallel.tp={self.tp}: only tp=1 is supported for now")
+            raise ConfigError(
+                f"parallel.tp={self.tp} is not supported; use one of "
+                f"{', '.join(map(str, SUPPORTED_TP))}"
+            )
 
     @property
     def world_size(self) -> int:

@@ -1,7 +1,10 @@
 """AdamW with linear warmup and cosine decay, and the global gradient norm (clipped or not).
 
-Gradients reach the optimizer already summed over data-parallel x context-parallel ranks, so every
-rank computes the same norm and takes the same step; nothing here communicates.
+Gradients reach the optimizer already summed over data-parallel x context-parallel ranks. Under
+tensor parallelism a rank holds a shard of some parameters (megatron marks them
+`tensor_model_parallel`) and a full copy of the others, so the global norm sums the shards' squares
+over the tensor-parallel group and counts each copy once: every rank computes the norm of the
+whole tp=1 model and takes the same step.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import math
 import torch
 
 from recipe.config import TrainConfig
+from recipe.parallel import collectives
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -43,9 +47,24 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def grad_norm(parameters, clip: float) -> float:
-    """The global gradient norm before clipping; clips to `clip` when it is > 0."""
-    params = [p for p in parameters if p.grad is not None]
+def grad_norm(parameters, clip: float, tp_group=None) -> float:
+    """The global gradient norm before clipping; clips to `clip` when it is > 0 (torch's rule:
+    scale by clip / (norm + 1e-6) when that is below 1)."""
+    with_grad = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in with_grad]
+    sharded = [p.grad for p in with_grad if getattr(p, "tensor_model_parallel", False)]
+    replicated = [p.grad for p in with_grad if not getattr(p, "tensor_model_parallel", False)]
+
+    def squares(tensors):
+        if not tensors:
+            return torch.zeros((), dtype=torch.float64, device=grads[0].device)
+        return torch.stack([g.detach().double().pow(2).sum() for g in tensors]).sum()
+
+    total = collectives.all_reduce_sum(squares(sharded), tp_group) + squares(replicated)
+    norm = float(total.sqrt())
     if clip > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, clip))
-    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        coefficient = clip / (norm + 1e-6)
+        if coefficient < 1:
+            for g in grads:
+                g.mul_(coefficient)
+    return norm

@@ -86,7 +86,9 @@ def plan_step(
                 batch.position_ids, batch.tokens_per_sequence_length(), mtp_layers
             )
             batch = batch.replace(mtp_mask=masks)
-        local = shard_batch(batch, layout.cp_size, layout.cp_rank, cfg.cp.preprocess)
+        local = shard_batch(
+            batch, layout.cp_size, layout.cp_rank, cfg.cp.preprocess, tp_size=layout.tp_size
+        )
         micro_batches.append(local.to(device))
     return StepWork(
         micro_batches=micro_batches,

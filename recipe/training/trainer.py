@@ -72,6 +72,7 @@ class Trainer:
         )
         self.peak_tflops = device_peak_tflops(device, self.precision, cfg.trainer.peak_tflops)
         self.grad_group = groups.gradient_group()
+        self.tp_group = groups.tp_group()
         self.steps = StepStream(corpus.train, cfg.batching.tokens_per_step, cfg.data.seed)
         self.eval_chunks = [
             self._plan(chunk) for chunk in chunk_for_eval(corpus.eval, cfg.batching.tokens_per_step)
@@ -113,8 +114,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         mtp_counts = work.global_mtp_tokens
         totals = self.forward_backward_step(work)
-        collectives.all_reduce_gradients(self.model.parameters(), self.grad_group)
-        norm = grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
+        params = list(self.model.parameters())
+        collectives.all_reduce_gradients(params, self.grad_group)
+        collectives.all_reduce_sequence_parallel_gradients(params, self.tp_group)
+        norm = grad_norm(params, self.cfg.optim.grad_clip, self.tp_group)
         self.optimizer.step()
         totals = self._reduce(totals, work)
         lm_loss = totals[0][0] / work.global_predicted_tokens
@@ -238,6 +241,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | None =
         seed=cfg.trainer.seed,
         cp_size=cfg.cp.size,
         tp_size=cfg.parallel.tp,
+        sequence_parallel=cfg.parallel.sequence_parallel,
         device=device,
         deterministic=cfg.trainer.deterministic,
         cp_comm_type=cfg.cp.comm_type,

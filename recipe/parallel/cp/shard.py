@@ -15,7 +15,7 @@ from recipe.parallel.cp.zigzag import shard_tensors, zigzag_index
 
 
 def shard_batch(
-    batch: PackedBatch, cp_size: int, cp_rank: int, method: str = "index"
+    batch: PackedBatch, cp_size: int, cp_rank: int, method: str = "index", tp_size: int = 1
 ) -> PackedBatch:
     """This rank's part of a global batch; cu_seqlens stay global, as megatron expects."""
     if cp_size == 1:
@@ -29,7 +29,7 @@ def shard_batch(
         lengths = batch.cu_seqlens.diff().tolist()
         sequences = [batch.input_ids[s : s + n] for s, n in zip(starts, lengths)]
         input_ids, position_ids = verl_preprocess(
-            sequences, batch.cu_seqlens_padded, cp_size, cp_rank, variant=method
+            sequences, batch.cu_seqlens_padded, cp_size, cp_rank, variant=method, tp_size=tp_size
         )
         local["input_ids"], local["position_ids"] = input_ids, position_ids
     return batch.replace(**local)

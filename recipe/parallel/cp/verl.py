@@ -6,6 +6,12 @@ and clamps at the real length; the pre-fix (`verl_legacy`) one numbers the back 
 from the padded end, which is only right on rank 0 of an unpadded sequence. Tests prove the
 recipe's index equals `verl_fixed` on every real token and differs from `verl_legacy`; training
 runs select them with `cp.preprocess` to show what the bug does to the loss.
+
+One detail of verl matters at tp > 1: a sequence shorter than the alignment (2*cp*tp) is padded
+to its padded length before the back chunk's end is clamped, so for such a sequence verl clamps
+at the padded length, not the real one. With two or more slots per chunk (tp > 1) that moves the
+pre-fix positions of real tokens (cp=2, tp=2, one sequence of 5 tokens, rank 1: [2, 3, 6, 7]
+rather than [2, 3, 7, 0]); at tp=1 a chunk is one slot and only padding slots differ.
 """
 
 from __future__ import annotations
@@ -28,18 +34,34 @@ def _check_sequence_count(sequences: Sequence[Tensor], cu_seqlens_padded: Tensor
         )
 
 
+def _data_length(padded_len: int, real_len: int, cp_size: int, tp_size: int) -> int:
+    """The length of the tensor verl slices a sequence from: padded when the sequence is shorter
+    than the alignment, its real length otherwise."""
+    return padded_len if real_len < 2 * cp_size * tp_size else real_len
+
+
 def _verl_bounds(
-    padded_len: int, real_len: int, cp_size: int, cp_rank: int
+    padded_len: int, data_len: int, cp_size: int, cp_rank: int
 ) -> tuple[int, int, int]:
     """verl's per-sequence (half, remain_start, remain_end), kept verbatim from preprocess_thd."""
     half = padded_len // cp_size // 2
     remain_start = padded_len - half * (cp_rank + 1)
-    remain_end = min(padded_len - half * cp_rank, real_len)
+    remain_end = min(padded_len - half * cp_rank, data_len)
     return half, remain_start, remain_end
 
 
+def _as_verl_data(seq: Tensor, data_len: int) -> Tensor:
+    if data_len > seq.numel():
+        return torch.cat([seq, seq.new_zeros(data_len - seq.numel())])
+    return seq
+
+
 def verl_shard_values(
-    sequences: Sequence[Tensor], cu_seqlens_padded: Tensor, cp_size: int, cp_rank: int
+    sequences: Sequence[Tensor],
+    cu_seqlens_padded: Tensor,
+    cp_size: int,
+    cp_rank: int,
+    tp_size: int = 1,
 ) -> Tensor:
     """Reference: verl's per-sequence slicing of real-token values (input_ids, labels, masks...).
 
@@ -54,7 +76,9 @@ def verl_shard_values(
     for i, seq in enumerate(sequences):
         padded_len = cu[i + 1] - cu[i]
         start = cu[i] // cp_size
-        half, remain_start, remain_end = _verl_bounds(padded_len, len(seq), cp_size, cp_rank)
+        data_len = _data_length(padded_len, len(seq), cp_size, tp_size)
+        half, remain_start, remain_end = _verl_bounds(padded_len, data_len, cp_size, cp_rank)
+        seq = _as_verl_data(seq, data_len)
         front = seq[half * cp_rank : half * (cp_rank + 1)]
         values[start : start + front.numel()] = front
         remain_len = remain_end - remain_start
@@ -69,6 +93,7 @@ def verl_preprocess(
     cp_size: int,
     cp_rank: int,
     variant: str = "verl_fixed",
+    tp_size: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """Reference: verl's ``preprocess_thd`` for one rank, returning (input_ids, position_ids).
 
@@ -89,7 +114,9 @@ def verl_preprocess(
         padded_len = cu[i + 1] - cu[i]
         real_len = len(seq)
         start = cu[i] // cp_size
-        half, remain_start, remain_end = _verl_bounds(padded_len, real_len, cp_size, cp_rank)
+        data_len = _data_length(padded_len, real_len, cp_size, tp_size)
+        half, remain_start, remain_end = _verl_bounds(padded_len, data_len, cp_size, cp_rank)
+        seq = _as_verl_data(seq, data_len)
         front = seq[half * cp_rank : half * (cp_rank + 1)]
         input_ids[start : start + front.numel()] = front
         position_ids[start : start + half] = torch.arange(half * cp_rank, half * (cp_rank + 1))
