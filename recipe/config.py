@@ -255,9 +255,10 @@ class ParallelConfig:
         )
         _require(
             self.pp == 1,
-            f"parallel.pp={self.pp}: pipeline parallelism is not supported (megatron-core's "
-            "pipeline schedule needs CUDA streams and device tensors for its p2p exchange); use "
-            "parallel.pp=1 and parallel.tp / cp / parallel.dp",
+            f"parallel.pp={self.pp}: pipeline parallelism is not supported: the recipe's "
+            "training loop runs micro-batches itself, not megatron-core's pipeline schedule "
+            '(which on CPU/gloo also needs patches: see README "Tensor parallelism"); use '
+            "parallel.pp=1 with parallel.tp, cp and parallel.dp",
         )
 
 

@@ -1,6 +1,6 @@
 """Compare training runs step by step: the verdict behind parity reports and `recipe.compare`.
 
-Each run is compared with a baseline: by default the run with cp=1 (and dp=1) whose config is
+Each run is compared with a baseline: by default the run with cp=1 (and dp=1, tp=1) whose config is
 otherwise the same (keys that only change the parallel layout or logging are ignored), or one
 baseline given explicitly. Per metric we report the largest absolute and relative difference over
 the steps both runs logged, the final values and the correlation of the two curves; a run passes
@@ -24,6 +24,7 @@ LAYOUT_KEYS = (
     "cp.comm_type",
     "parallel.dp",
     "parallel.tp",
+    "parallel.sequence_parallel",
     "model.attention_backend",
     "batching.max_tokens_per_rank",
     "model.pass_position_ids",

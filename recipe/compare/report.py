@@ -33,8 +33,8 @@ def render_markdown(
     lines = [
         "# Parity report\n",
         f"Tolerance: relative difference <= {rtol:g} on every step for "
-        f"{', '.join(metrics)}. Baseline: the cp=1 run with otherwise the same settings "
-        "unless one was given.\n",
+        f"{', '.join(metrics)}. Baseline: the cp=1 (dp=1, tp=1) run with otherwise the same "
+        "settings unless one was given.\n",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]

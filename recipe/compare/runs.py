@@ -40,7 +40,11 @@ class Run:
 
     @property
     def is_reference_layout(self) -> bool:
-        return self.cp == 1 and int(self.config.get("parallel.dp", 1)) == 1
+        return (
+            self.cp == 1
+            and int(self.config.get("parallel.dp", 1)) == 1
+            and int(self.config.get("parallel.tp", 1)) == 1
+        )
 
 
 def _flatten(node, prefix: str = "") -> dict[str, object]:
