@@ -14,7 +14,9 @@ from tests.helpers.world import lone_world
 
 
 def _matrices_by_hand(m, vocab: int) -> int:
-    """Weight matrices of the recipe's GPT, from the config alone."""
+    """Weight matrices of the recipe's GPT, from the config alone; the embedding and output layer
+    have the padded vocabulary's rows (real work: the padded logits are computed too)."""
+    vocab = -(-vocab // m.make_vocab_size_divisible_by) * m.make_vocab_size_divisible_by
     head_dim = m.hidden_size // m.num_attention_heads
     qkv = m.hidden_size * (m.hidden_size + 2 * m.num_query_groups * head_dim)
     proj = m.hidden_size * m.hidden_size
