@@ -389,8 +389,10 @@ class CompareConfig:
     CPU; for bf16 on GPU use about 0.05 (Megatron-LM's functional-test tolerance) and read the
     correlation column."""
     baseline: str = "auto"
-    """auto: per run, the cp=1, dp=1 job with otherwise the same settings; or a job number of the
-    sweep (e.g. "0") to compare every job with that one."""
+    """auto: per run, the cp=1, dp=1, tp=1 job with otherwise the same settings; or a job number
+    of the sweep (e.g. "0") to compare every job with that one."""
+    fail_exit_code: bool = True
+    """A sweep whose parity report has a FAIL (or no report) exits 1, so scripts and CI notice."""
 
     def __post_init__(self) -> None:
         _positive("compare.rtol", self.rtol)

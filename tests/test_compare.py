@@ -198,3 +198,76 @@ def test_baseline_given_by_another_spelling_of_its_path(tmp_path, monkeypatch):
     )
     assert result.returncode == 0
     assert "1 passed, 0 failed" in result.stdout, "the baseline is not compared with itself"
+
+
+# --- the sweep callback: reports only for sweeps, only in the sweep directory -------------------
+
+
+def _hydra_config(tmp_path: Path, run_dir: Path, **compare):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(
+        {
+            "compare": {"rtol": 1e-5, "baseline": "auto", "fail_exit_code": True, **compare},
+            "hydra": {
+                "runtime": {"output_dir": str(run_dir)},
+                "sweep": {"dir": str(tmp_path), "params": {"cp": "1,2"}},
+                "overrides": {"task": ["trainer.max_steps=3"]},
+            },
+        }
+    )
+
+
+def _job_return(failed: bool):
+    from hydra.core.utils import JobReturn, JobStatus
+
+    ret = JobReturn()
+    ret.status = JobStatus.FAILED if failed else JobStatus.COMPLETED
+    ret._return_value = RuntimeError("boom") if failed else 1.0
+    return ret
+
+
+def test_a_single_run_that_fails_writes_no_report_anywhere(tmp_path):
+    """A failed single run (or a torchrun rank) used to write a FAIL-only report into the
+    parent of its run directory, over a real sweep's report."""
+    from recipe.compare.sweep import ParityReportCallback
+
+    run = make_run(tmp_path, "run", cp=2)
+    (tmp_path / "parity_report.md").write_text("a real sweep's PASS report\n")
+    ParityReportCallback().on_job_end(_hydra_config(tmp_path, run), _job_return(failed=True))
+    assert (tmp_path / "parity_report.md").read_text() == "a real sweep's PASS report\n"
+    assert not (tmp_path / "loss_curves.png").exists()
+
+
+def test_a_sweep_that_fails_parity_exits_1_and_leaves_no_stale_report(tmp_path):
+    from recipe.compare.sweep import ParityReportCallback
+
+    (tmp_path / "parity_report.md").write_text("an older sweep's PASS report\n")
+    callback = ParityReportCallback()
+    callback.on_multirun_start(_hydra_config(tmp_path, tmp_path))
+    assert not (tmp_path / "parity_report.md").exists(), "removed before the first job"
+    for name, cp, shift in (("0", 1, 0.0), ("1", 2, 0.5)):
+        run = make_run(tmp_path, name, cp=cp, shift=shift)
+        callback.on_job_end(_hydra_config(tmp_path, run), _job_return(failed=False))
+    with pytest.raises(SystemExit) as exit_info:
+        callback.on_multirun_end(_hydra_config(tmp_path, tmp_path))
+    assert exit_info.value.code == 1
+    assert "0 passed, 1 failed" in (tmp_path / "parity_report.md").read_text()
+    quiet = ParityReportCallback()
+    quiet.on_multirun_start(_hydra_config(tmp_path, tmp_path, fail_exit_code=False))
+    quiet.job_dirs = [tmp_path / "0", tmp_path / "1"]
+    quiet.on_multirun_end(_hydra_config(tmp_path, tmp_path))  # reports FAIL, exits 0
+
+
+def test_a_bad_compare_baseline_stops_the_sweep_before_any_job(tmp_path):
+    from tests.helpers.cli import run_train_cli
+
+    sweep = tmp_path / "sweep"
+    result = run_train_cli(
+        ["cp=1,2", "compare.baseline=5", f"hydra.sweep.dir={sweep}", "-m"], cwd=tmp_path
+    )
+    assert result.returncode == 2
+    assert "config error: compare.baseline=5 is not a job of this sweep: it runs 2 jobs" in (
+        result.stderr + result.stdout
+    )
+    assert not list(sweep.rglob("metrics.jsonl")), "no job ran"

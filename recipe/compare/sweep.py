@@ -2,48 +2,103 @@
 
 Jobs run one after another with Hydra's basic launcher, each in its own numbered directory and
 each launching its own ranks. The callback remembers every job's directory as it finishes and, when
-the sweep ends, writes `parity_report.md` and `loss_curves.png` into the sweep directory. A failed
-job stops the sweep; the report is then written at once, with the failure in it. It prints rather
+the sweep ends, writes `parity_report.md` and `loss_curves.png` into the sweep directory (and only
+there, and only in a multirun: a single run, or a torchrun rank, writes no report). At the start it
+removes a previous sweep's report from a reused sweep directory and checks `compare.*` against the
+sweep's job count, so a bad baseline stops the sweep before the first job. A failed job stops the
+sweep; the report is then written at once, with the failure in it. A report with a FAIL makes the
+sweep exit 1 (`compare.fail_exit_code`). It prints rather
 than logs: it runs in Hydra's launcher process after the jobs, where logging carries Hydra's own
 `[HYDRA]` prefix and no job's train.log is the right file; the report is its own file.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from recipe.compare.report import write_report
+from recipe.compare.report import PLOT_FILE, REPORT_FILE, write_report
 from recipe.compare.runs import find_runs
+from recipe.config import CompareConfig, ConfigError
 from recipe.training.loggers import METRICS_FILE
+
+
+def count_sweep_jobs(config: DictConfig) -> int | None:
+    """How many jobs Hydra's basic sweeper will run for this multirun (None if unknown)."""
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        params = config.hydra.sweeper.get("params") or {}
+        overrides = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        return sum(len(batch) for batch in BasicSweeper.split_arguments(parsed, None))
+    except Exception:  # another sweeper, or Hydra internals moved: check at the end instead
+        return None
+
+
+def check_compare_config(config: DictConfig, jobs: int | None) -> CompareConfig:
+    """`compare.*` as the sweep will use it, refused before any job runs when it cannot work."""
+    fields = OmegaConf.to_container(config.compare, resolve=True)
+    compare = CompareConfig(**{k: fields[k] for k in ("rtol", "baseline", "fail_exit_code")})
+    if compare.baseline != "auto" and jobs is not None and int(compare.baseline) >= jobs:
+        raise ConfigError(
+            f"compare.baseline={compare.baseline} is not a job of this sweep: it runs {jobs} "
+            f"jobs, numbered 0 to {jobs - 1}; use one of those or compare.baseline=auto"
+        )
+    return compare
 
 
 class ParityReportCallback(Callback):
     def __init__(self) -> None:
         self.job_dirs: list[Path] = []
         self.failures: list[tuple[str, str]] = []
-        self.compare_cfg = None
+        self.compare_cfg: CompareConfig | None = None
+        self.sweep_dir: Path | None = None
+        """Set only in a multirun: reports belong to sweeps."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        try:
+            self.compare_cfg = check_compare_config(config, count_sweep_jobs(config))
+        except ConfigError as err:
+            print(f"config error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+        for name in (REPORT_FILE, PLOT_FILE):
+            # A reused sweep directory must not show an old verdict if this sweep ends early.
+            (self.sweep_dir / name).unlink(missing_ok=True)
 
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
+        if self.sweep_dir is None:
+            return
         output_dir = Path(config.hydra.runtime.output_dir)
-        self.compare_cfg = config.compare
         if (output_dir / METRICS_FILE).exists():
             self.job_dirs.append(output_dir)
         if job_return.status == JobStatus.FAILED:
             error = str(job_return._return_value).strip().splitlines()
             self.failures.append((output_dir.name, error[0] if error else "unknown error"))
-            self._write(output_dir.parent)
+            self._write()  # Hydra then stops the sweep with the job's error (exit 1)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        if self.job_dirs:
-            self._write(self.job_dirs[0].parent)
-        else:
+        if self.sweep_dir is None:
+            return
+        if not self.job_dirs:
             print("parity report: no job wrote metrics, nothing to compare")
+            self._exit_if_failed(passed=False)
+            return
+        self._exit_if_failed(self._write())
 
-    def _write(self, sweep_dir: Path) -> None:
+    def _exit_if_failed(self, passed: bool) -> None:
+        if not passed and self.compare_cfg.fail_exit_code:
+            raise SystemExit(1)
+
+    def _write(self) -> bool:
+        """Write the report into the sweep directory; True when every comparison passed."""
+        sweep_dir = self.sweep_dir
         runs = find_runs(self.job_dirs) if self.job_dirs else []
         choice = str(self.compare_cfg.baseline)
         baseline = None
@@ -54,7 +109,7 @@ class ParityReportCallback(Callback):
                     f"parity report: compare.baseline={choice} is not a job of this sweep "
                     f"(jobs: {', '.join(r.path.name for r in runs)})"
                 )
-                return
+                return False
             baseline = matches[0]
         report, passed = write_report(
             runs,
@@ -65,7 +120,5 @@ class ParityReportCallback(Callback):
         )
         print(report)
         verdict = "all PASS" if passed else "some FAIL"
-        print(
-            f"parity report ({verdict}): {sweep_dir / 'parity_report.md'}, "
-            f"{sweep_dir / 'loss_curves.png'}"
-        )
+        print(f"parity report ({verdict}): {sweep_dir / REPORT_FILE}, {sweep_dir / PLOT_FILE}")
+        return passed
