@@ -350,6 +350,9 @@ class TrainerConfig:
     """Deterministic kernels everywhere (megatron deterministic_mode, NVTE, cuBLAS, torch)."""
     peak_tflops: float | None = None
     """Peak TFLOP/s of one device for `mfu` (default: known GPUs' data sheet; none on CPU)."""
+    collective_timeout_s: float = 300.0
+    """How long any collective (on every process group, megatron's included) may wait for the
+    other ranks before the job ends with an error: a stalled rank cannot hang the job longer."""
 
     def __post_init__(self) -> None:
         _one_of("trainer.precision", self.precision, PRECISIONS)
@@ -359,6 +362,7 @@ class TrainerConfig:
             f"{self.peak_tflops}",
         )
         _positive("trainer.max_steps", self.max_steps)
+        _positive("trainer.collective_timeout_s", self.collective_timeout_s)
         _require(self.eval_every >= 0, f"trainer.eval_every must be >= 0, got {self.eval_every}")
         _positive("trainer.log_every", self.log_every)
 

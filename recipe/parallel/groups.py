@@ -27,14 +27,15 @@ def _free_port() -> int:
 def init_distributed(
     dims: ParallelDims | None = None,
     env: ProcessEnvironment | None = None,
-    timeout_minutes: int = 5,
+    timeout_s: float = 300.0,
 ) -> ParallelLayout:
     """Join (or create, for a lone process) the process group and megatron's parallel state.
 
     Under a launcher (torchrun, SLURM, the recipe's own) the world is joined through env://
     (MASTER_ADDR/MASTER_PORT); a lone process starts a world of one on a free loopback port and
     leaves the environment alone, so a later job in the same process (a multirun) does not
-    mistake it for a launcher's.
+    mistake it for a launcher's. Every group gets the same `timeout_s`: megatron's groups, which
+    carry the gradient, loss and CP exchanges, would otherwise keep megatron's 30 minutes.
     """
     from datetime import timedelta
 
@@ -48,7 +49,7 @@ def init_distributed(
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = timedelta(minutes=timeout_minutes)
+        timeout = timedelta(seconds=timeout_s)
         if env.external:
             dist.init_process_group(backend=backend, timeout=timeout)
         else:
@@ -65,6 +66,7 @@ def init_distributed(
             tensor_model_parallel_size=dims.tp,
             context_parallel_size=dims.cp,
             create_gloo_process_groups=False,
+            distributed_timeout_minutes=timeout_s / 60,  # megatron builds timedelta(minutes=...)
         )
     layout = dims.layout_of(dist.get_rank())
     megatron_says = (

@@ -10,6 +10,7 @@ dp=1 update. The Trainer holds model, optimizer, data stream and step counter, a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -45,6 +46,10 @@ from recipe.training.throughput import (
     linear_parameter_count,
     model_flops_per_step,
 )
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than trainer.collective_timeout_s for the other ranks."""
 
 
 class Trainer:
@@ -113,13 +118,16 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         mtp_counts = work.global_mtp_tokens
-        totals = self.forward_backward_step(work)
+        with self._collectives_in("the forward/backward pass (CP, TP and MTP exchanges)"):
+            totals = self.forward_backward_step(work)
         params = list(self.model.parameters())
-        collectives.all_reduce_gradients(params, self.grad_group)
-        collectives.all_reduce_sequence_parallel_gradients(params, self.tp_group)
-        norm = grad_norm(params, self.cfg.optim.grad_clip, self.tp_group)
+        with self._collectives_in("the gradient all-reduce"):
+            collectives.all_reduce_gradients(params, self.grad_group)
+            collectives.all_reduce_sequence_parallel_gradients(params, self.tp_group)
+            norm = grad_norm(params, self.cfg.optim.grad_clip, self.tp_group)
         self.optimizer.step()
-        totals = self._reduce(totals, work)
+        with self._collectives_in("the loss all-reduce"):
+            totals = self._reduce(totals, work)
         lm_loss = totals[0][0] / work.global_predicted_tokens
         mtp_sums = [s for s, _ in totals[1:]]
         step_time = time.perf_counter() - step_start
@@ -151,6 +159,22 @@ class Trainer:
         if self.step == self.cfg.trainer.max_steps or (every and self.step % every == 0):
             metrics.eval_lm_loss = self.evaluate()
         return metrics
+
+    @contextlib.contextmanager
+    def _collectives_in(self, phase: str):
+        """Name the step, phase and rank when a collective times out: gloo's own message says
+        only which buffer it waited for."""
+        try:
+            yield
+        except RuntimeError as err:
+            if "timed out" not in str(err).lower():
+                raise
+            timeout = self.cfg.trainer.collective_timeout_s
+            raise CollectiveTimeout(
+                f"rank {self.layout.rank} waited more than {timeout:g} s for the other ranks in "
+                f"{phase} of step {self.step}: a rank stalled or died "
+                f"(trainer.collective_timeout_s={timeout:g}). gloo: {str(err).splitlines()[0]}"
+            ) from None
 
     def forward_backward_step(self, work: StepWork) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; returns the step's report
@@ -272,7 +296,7 @@ def train(cfg: TrainConfig) -> dict:
     apply_cpu_compat()
     owns_world = not torch.distributed.is_initialized()
     env = read_environment(os.environ)
-    layout = groups.init_distributed(cfg.parallel_dims, env)
+    layout = groups.init_distributed(cfg.parallel_dims, env, cfg.trainer.collective_timeout_s)
     logger = NullLogger()
     try:
         _set_threads(env.local_world_size)
