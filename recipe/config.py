@@ -350,6 +350,10 @@ class TrainerConfig:
     """Deterministic kernels everywhere (megatron deterministic_mode, NVTE, cuBLAS, torch)."""
     peak_tflops: float | None = None
     """Peak TFLOP/s of one device for `mfu` (default: known GPUs' data sheet; none on CPU)."""
+    on_nonfinite: str = "stop"
+    """A step whose loss or gradient norm is NaN/inf: stop (log it, leave the weights at the last
+    finite step and end the run with an error naming the step) | skip_step (log it, do not update,
+    go on)."""
     collective_timeout_s: float = 300.0
     """How long any collective (on every process group, megatron's included) may wait for the
     other ranks before the job ends with an error: a stalled rank cannot hang the job longer."""
@@ -363,6 +367,7 @@ class TrainerConfig:
         )
         _positive("trainer.max_steps", self.max_steps)
         _positive("trainer.collective_timeout_s", self.collective_timeout_s)
+        _one_of("trainer.on_nonfinite", self.on_nonfinite, ("stop", "skip_step"))
         _require(self.eval_every >= 0, f"trainer.eval_every must be >= 0, got {self.eval_every}")
         _positive("trainer.log_every", self.log_every)
 

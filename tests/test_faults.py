@@ -94,3 +94,50 @@ def test_a_stalled_rank_ends_the_job_within_the_collective_timeout(tmp_path):
     assert took < TIMEOUT_S + SHUTDOWN_MARGIN_S, f"took {took:.0f} s"
     assert f"rank 0 waited more than {TIMEOUT_S} s for the other ranks in" in output
     assert f"trainer.collective_timeout_s={TIMEOUT_S}" in output
+
+
+def _strict_json_lines(path: Path) -> list[dict]:
+    import json
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not strict JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def test_a_diverging_run_stops_at_the_first_nonfinite_step_with_strict_json(tmp_path):
+    """optim.lr=1e3 used to go to NaN and exit 0, with bare NaN in metrics.jsonl."""
+    from tests.helpers.cli import run_train_cli
+
+    result = run_train_cli(
+        ["optim.lr=1e3", "trainer.max_steps=20", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path
+    )
+    assert result.returncode == 1
+    records = _strict_json_lines(tmp_path / "run" / "metrics.jsonl")
+    bad = records[-1]
+    assert bad["nonfinite"] and all(bad[k] is None for k in bad["nonfinite"])
+    assert all("nonfinite" not in r for r in records[:-1]), "it stops at the first one"
+    assert f"step {bad['step']}: " in result.stderr
+    assert "trainer.on_nonfinite=stop" in result.stderr
+
+
+def test_skip_step_leaves_the_weights_alone_and_goes_on():
+    import torch
+
+    from recipe.data.corpus import load_corpus
+    from recipe.training.trainer import Trainer
+    from tests.helpers.config import typed_config
+    from tests.helpers.world import lone_world
+
+    cfg = typed_config(["optim.lr=1e3", "trainer.max_steps=6", "trainer.on_nonfinite=skip_step"])
+    with lone_world() as layout:
+        trainer = Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data))
+        skipped = 0
+        while trainer.step < cfg.trainer.max_steps:
+            before = [p.detach().clone() for p in trainer.model.parameters()]
+            record = trainer.train_step().to_record()
+            after = list(trainer.model.parameters())
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+            assert unchanged == bool(record.get("nonfinite")), record
+            skipped += unchanged
+    assert skipped, "lr=1e3 diverges within 6 steps"

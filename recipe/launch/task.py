@@ -15,7 +15,7 @@ from recipe.config import ConfigError, TrainConfig
 from recipe.launch.environment import adopt_environment
 from recipe.launch.local import RanksFailed, check_launchable, launch_world
 from recipe.log import get_logger, quiet_libraries
-from recipe.training.trainer import check_run_choices, train
+from recipe.training.trainer import NonFiniteStep, check_run_choices, train
 
 log = get_logger(__name__)
 
@@ -45,7 +45,7 @@ def run(cfg: DictConfig):
             result = train(typed)
         else:
             result = launch_world(typed)
-    except (ConfigError, RanksFailed) as err:
+    except (ConfigError, RanksFailed, NonFiniteStep) as err:
         if multirun:
             raise  # Hydra marks the job failed; the sweep's parity report lists it
         prefix = "config error: " if isinstance(err, ConfigError) else ""

@@ -72,6 +72,11 @@ class StepMetrics:
                 record[key] = getattr(self, key)
         if self.eval_lm_loss is not None:
             record["eval_lm_loss"] = self.eval_lm_loss
+        nonfinite = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+        if nonfinite:
+            # Strict JSON has no NaN: null, and the reason beside it.
+            record.update({k: None for k in nonfinite})
+            record["nonfinite"] = nonfinite
         return record
 
 
@@ -105,13 +110,14 @@ def summarize(
     wall_time_s: float,
 ) -> dict:
     """The end-of-run numbers from the metrics.jsonl records of the run."""
-    last = history[-FINAL_WINDOW:]
+    last = [h for h in history[-FINAL_WINDOW:] if h.get("lm_loss") is not None]
     final_lm = sum(h["lm_loss"] for h in last) / len(last) if last else None
     evals = [h["eval_lm_loss"] for h in history if "eval_lm_loss" in h]
     final_eval = evals[-1] if evals else None
     gap_closed = None
     if None not in (final_eval, entropy_floor, baseline_loss) and baseline_loss > entropy_floor:
         gap_closed = (baseline_loss - final_eval) / (baseline_loss - entropy_floor)
+    skipped = [h["step"] for h in history if h.get("nonfinite")]
     summary = {
         "final_lm_loss": final_lm,
         "final_eval_lm_loss": final_eval,
@@ -124,4 +130,6 @@ def summarize(
     mtp = [h["mtp_loss"] for h in last if h.get("mtp_loss") is not None]
     if mtp:
         summary["final_mtp_loss"] = sum(mtp) / len(mtp)
+    if skipped:
+        summary["nonfinite_steps"] = skipped
     return {k: _finite_or_none(v) for k, v in summary.items()}

@@ -11,6 +11,7 @@ dp=1 update. The Trainer holds model, optimizer, data stream and step counter, a
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 
@@ -46,6 +47,10 @@ from recipe.training.throughput import (
     linear_parameter_count,
     model_flops_per_step,
 )
+
+
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradient norm was NaN/inf (trainer.on_nonfinite=stop)."""
 
 
 class CollectiveTimeout(RuntimeError):
@@ -100,6 +105,13 @@ class Trainer:
             record = self.train_step().to_record()
             self.history.append(record)
             self.logger.log_step(record)
+            if record.get("nonfinite") and self.cfg.trainer.on_nonfinite == "stop":
+                values = ", ".join(f"{k}=nan/inf" for k in record["nonfinite"])
+                raise NonFiniteStep(
+                    f"step {self.step}: {values}; the weights stay at step {self.step - 1} "
+                    "(trainer.on_nonfinite=stop). Lower optim.lr or raise optim.warmup_steps, "
+                    "or set trainer.on_nonfinite=skip_step to skip such steps"
+                )
         summary = summarize(
             self.history,
             entropy_floor=self.corpus.entropy_floor,
@@ -125,10 +137,11 @@ class Trainer:
             collectives.all_reduce_gradients(params, self.grad_group)
             collectives.all_reduce_sequence_parallel_gradients(params, self.tp_group)
             norm = grad_norm(params, self.cfg.optim.grad_clip, self.tp_group)
-        self.optimizer.step()
         with self._collectives_in("the loss all-reduce"):
             totals = self._reduce(totals, work)
         lm_loss = totals[0][0] / work.global_predicted_tokens
+        if math.isfinite(lm_loss) and math.isfinite(norm):
+            self.optimizer.step()  # every rank reduced the same values: all skip, or none
         mtp_sums = [s for s, _ in totals[1:]]
         step_time = time.perf_counter() - step_start
         world = self.layout.world_size
