@@ -141,3 +141,17 @@ def test_skip_step_leaves_the_weights_alone_and_goes_on():
             assert unchanged == bool(record.get("nonfinite")), record
             skipped += unchanged
     assert skipped, "lr=1e3 diverges within 6 steps"
+
+
+def test_unknown_keys_are_refused_even_when_added_with_plus():
+    """`+trainer.max_step=5` (the form Hydra's own hint suggests for a typo) was accepted and
+    ignored: the run trained its 500 steps."""
+    from recipe.config import ConfigError
+    from tests.helpers.config import typed_config
+
+    with pytest.raises(ConfigError, match="unknown config key trainer.max_step; did you mean "):
+        typed_config(["+trainer.max_step=5"])
+    with pytest.raises(ConfigError, match="unknown config key foo$"):
+        typed_config(["+foo=1"])
+    with pytest.raises(ConfigError, match="data.markov.ordr; did you mean data.markov.order"):
+        typed_config(["+data.markov.ordr=3"])

@@ -22,7 +22,29 @@ log = get_logger(__name__)
 
 def to_typed(cfg: DictConfig) -> TrainConfig:
     """Validate and convert once; raises ConfigError naming the field and the fix."""
+    check_known_keys(OmegaConf.to_container(cfg, resolve=False), TrainConfig)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
+
+
+def check_known_keys(values: dict, schema, prefix: str = "") -> None:
+    """Refuse keys the dataclasses do not define, even when added with `+` (which Hydra allows
+    and OmegaConf's merge into the schema then keeps): a typo must not be silently ignored."""
+    import dataclasses
+    import difflib
+
+    known = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in values.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            raise ConfigError(f"unknown config key {prefix}{key}{hint}")
+        field_type = (
+            known[key].default_factory
+            if dataclasses.is_dataclass(known[key].default_factory)
+            else None
+        )
+        if field_type is not None and isinstance(value, dict):
+            check_known_keys(value, field_type, f"{prefix}{key}.")
 
 
 def run(cfg: DictConfig):
