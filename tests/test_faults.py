@@ -155,3 +155,54 @@ def test_unknown_keys_are_refused_even_when_added_with_plus():
         typed_config(["+foo=1"])
     with pytest.raises(ConfigError, match="data.markov.ordr; did you mean data.markov.order"):
         typed_config(["+data.markov.ordr=3"])
+
+
+def test_a_run_directory_holds_one_job_and_is_never_overwritten(tmp_path):
+    """Two jobs with the same run directory both exited 0 and one job's metrics were gone;
+    reusing a directory truncated metrics.jsonl."""
+    from tests.helpers.cli import run_train_cli
+
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+    env["WANDB_MODE"] = "disabled"
+    first = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *TINY, "trainer.max_steps=500"]
+        + [f"hydra.run.dir={run_dir}"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists():
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        second = run_train_cli([f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=120)
+        assert second.returncode == 2
+        assert f"run directory {run_dir} is in use by another job (pid {first.pid})" in (
+            second.stderr
+        )
+        assert first.poll() is None, "the first job goes on"
+    finally:
+        first.kill()
+        first.wait()
+    kept = (run_dir / "metrics.jsonl").read_text()
+    again = run_train_cli([f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=120)
+    assert again.returncode == 2, "the lock died with the killed job; the metrics are protected"
+    assert "already holds the metrics of an earlier run" in again.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == kept
+
+
+def test_the_default_run_directory_is_unique_per_start():
+    """outputs/DATE/HH-MM-SS made two jobs started in the same second share one directory."""
+    import re
+
+    from hydra import compose, initialize_config_dir
+
+    from recipe.config import register_configs
+    from tests.helpers.config import CONF_DIR
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("train", return_hydra_config=True)
+    assert re.fullmatch(r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d-\d{6}", cfg.hydra.run.dir)

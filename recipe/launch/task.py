@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from recipe.config import ConfigError, TrainConfig
 from recipe.launch.environment import adopt_environment
 from recipe.launch.local import RanksFailed, check_launchable, launch_world
+from recipe.launch.rundir import claim_run_directory
 from recipe.log import get_logger, quiet_libraries
 from recipe.training.trainer import NonFiniteStep, check_run_choices, train
 
@@ -61,6 +62,8 @@ def run(cfg: DictConfig):
         if typed.world_size > 1 and not env.external:
             check_launchable(typed)
         typed.output_dir = hydra_cfg.runtime.output_dir
+        if env.rank == 0:
+            run_dir_lock = claim_run_directory(typed.output_dir)  # noqa: F841 - held until exit
         if multirun:
             group_sweep_in_wandb(typed, list(hydra_cfg.overrides.task))
         if typed.world_size == 1 or env.external:
