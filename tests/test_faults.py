@@ -46,6 +46,7 @@ def _rank_processes(pid: int) -> list[int]:
 
 @pytest.mark.distributed
 @pytest.mark.skipif(not Path("/proc").exists(), reason="finds rank processes through /proc")
+@pytest.mark.stack_independent
 def test_a_stalled_rank_ends_the_job_within_the_collective_timeout(tmp_path):
     """SIGSTOP of rank 1 at cp=2 used to block rank 0 silently for more than 9 minutes: megatron's
     groups, which carry the CP exchanges and gradients, kept megatron's 30-minute timeout."""
@@ -157,6 +158,7 @@ def test_unknown_keys_are_refused_even_when_added_with_plus():
         typed_config(["+data.markov.ordr=3"])
 
 
+@pytest.mark.stack_independent
 def test_a_run_directory_holds_one_job_and_is_never_overwritten(tmp_path):
     """Two jobs with the same run directory both exited 0 and one job's metrics were gone;
     reusing a directory truncated metrics.jsonl."""
