@@ -208,3 +208,44 @@ def test_the_default_run_directory_is_unique_per_start():
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("train", return_hydra_config=True)
     assert re.fullmatch(r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d-\d{6}", cfg.hydra.run.dir)
+
+
+@pytest.mark.stack_independent
+def test_stale_rank_variables_are_named_not_waited_on_in_silence(tmp_path):
+    """A stale RANK=0 WORLD_SIZE=2 MASTER_ADDR/PORT waited 5 minutes in silence, then printed a
+    store traceback that did not say those variables made the recipe think it was launched."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+    env.update(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env["WANDB_MODE"] = "disabled"
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *TINY, "cp=2", "trainer.collective_timeout_s=5"]
+        + [f"hydra.run.dir={tmp_path / 'run'}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 2
+    assert time.monotonic() - started < 120
+    named = f"RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={port}"
+    assert f"joining a world of 2 ranks started outside the recipe ({named})" in result.stdout
+    assert f"did not join within 5 s. {named} came from the environment" in result.stderr
+
+
+def test_a_launched_world_of_the_wrong_size_names_the_variables(monkeypatch):
+    from recipe.config import ConfigError
+    from recipe.launch.environment import read_environment
+    from recipe.parallel import groups
+    from recipe.parallel.layout import ParallelDims
+
+    stale = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    for key, value in stale.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"launch 1 processes.*\(RANK=0 WORLD_SIZE=2 MASTER_ADDR"):
+        groups.init_distributed(ParallelDims(), read_environment(stale))

@@ -44,14 +44,14 @@ def init_distributed(
     dims = dims or ParallelDims()
     env = env or read_environment(os.environ)
     if not dist.is_initialized():
-        dims.check_world_size(env.world_size)
+        _check_launched_world(dims, env)
         device = env.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_s)
         if env.external:
-            dist.init_process_group(backend=backend, timeout=timeout)
+            _join_external_world(backend, timeout, env)
         else:
             dist.init_process_group(
                 backend=backend,
@@ -81,6 +81,51 @@ def init_distributed(
             "order of megatron-core changed and recipe/parallel/layout.py must follow it"
         )
     return layout
+
+
+RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID")
+
+
+def _rendezvous_variables() -> str:
+    return " ".join(f"{k}={os.environ[k]}" for k in RENDEZVOUS_VARIABLES if k in os.environ)
+
+
+def _check_launched_world(dims: ParallelDims, env: ProcessEnvironment) -> None:
+    from recipe.errors import ConfigError
+
+    try:
+        dims.check_world_size(env.world_size)
+    except ConfigError as err:
+        if not env.external:
+            raise
+        raise ConfigError(
+            f"{err} ({_rendezvous_variables()} came from the environment; if no launcher set "
+            "them, unset them and the recipe starts its own ranks)"
+        ) from None
+
+
+def _join_external_world(backend: str, timeout, env: ProcessEnvironment) -> None:
+    """Join ranks a launcher started. Say at once which variables made the recipe think so: left
+    over in a shell, they would otherwise mean a silent wait for ranks that never come."""
+    from recipe.errors import ConfigError
+    from recipe.log import get_logger
+
+    seen = _rendezvous_variables()
+    get_logger(__name__).info(
+        f"joining a world of {env.world_size} ranks started outside the recipe ({seen}); "
+        f"waiting up to {timeout.total_seconds():g} s for them"
+    )
+    try:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    except (RuntimeError, dist.DistError) as err:
+        if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+            raise
+        raise ConfigError(
+            f"rank {env.rank}: the other ranks of a world of {env.world_size} did not join within "
+            f"{timeout.total_seconds():g} s. {seen} came from the environment: if no launcher "
+            "started those ranks (variables left over in this shell), unset them and the recipe "
+            "starts its own ranks; otherwise check that every rank reaches MASTER_ADDR:MASTER_PORT"
+        ) from None
 
 
 def shutdown_distributed() -> None:
