@@ -171,9 +171,17 @@ class DataConfig:
     """files: split to read."""
     text_field: str = "text"
     """files: column holding the text."""
+    max_malformed_fraction: float = 0.01
+    """files: largest share of rows whose text is missing, null or not a string (they are skipped
+    and counted); more is an error. Empty strings (blank lines) are skipped and counted only."""
     markov: MarkovConfig = field(default_factory=MarkovConfig)
 
     def __post_init__(self) -> None:
+        _require(
+            0 <= self.max_malformed_fraction <= 1,
+            "data.max_malformed_fraction must be between 0 and 1, got "
+            f"{self.max_malformed_fraction}",
+        )
         _one_of("data.source", self.source, DATA_SOURCES)
         _require(self.max_seq_len >= 2, f"data.max_seq_len must be >= 2, got {self.max_seq_len}")
         _require(self.seed >= 0, f"data.seed must be >= 0, got {self.seed}")

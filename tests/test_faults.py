@@ -249,3 +249,29 @@ def test_a_launched_world_of_the_wrong_size_names_the_variables(monkeypatch):
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError, match=r"launch 1 processes.*\(RANK=0 WORLD_SIZE=2 MASTER_ADDR"):
         groups.init_distributed(ParallelDims(), read_environment(stale))
+
+
+def test_rows_that_are_not_text_are_counted_and_too_many_are_an_error(tmp_path):
+    """24 of 40 rows (missing, null, numbers, lists) used to be skipped without a word."""
+    import json
+
+    from recipe.config import ConfigError
+    from recipe.data.sources import file_documents
+    from tests.helpers.config import typed_config
+
+    rows = []
+    for i in range(40):
+        kind = i % 5
+        row = {"text": f"document {i}"} if kind in (0, 1) else {"other": i}
+        if kind == 3:
+            row = {"text": None}
+        elif kind == 4:
+            row = {"text": [i]} if i % 2 else {"text": i}
+        rows.append(row)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["data=files", "data.path=json", f"data.data_files={data}"]
+    with pytest.raises(ConfigError, match=r"24 of 40 rows of column 'text' are not text"):
+        file_documents(typed_config(base).data)
+    texts = file_documents(typed_config([*base, "data.max_malformed_fraction=1"]).data)
+    assert len(texts) == 16

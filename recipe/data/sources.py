@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from recipe.config import ConfigError, DataConfig
 from recipe.data.markov import MarkovChain
+from recipe.log import get_logger
+
+log = get_logger(__name__)
 
 
 def markov_documents(cfg: DataConfig) -> tuple[list[str], list[str], MarkovChain]:
@@ -21,13 +24,38 @@ def markov_documents(cfg: DataConfig) -> tuple[list[str], list[str], MarkovChain
     return train, eval_, chain
 
 
-def _texts_from_dataset(dataset, text_field: str, where: str) -> list[str]:
+def _texts_from_dataset(
+    dataset, text_field: str, where: str, max_malformed_fraction: float = 0.0
+) -> list[str]:
+    """The column's texts. Empty strings (blank lines of a text file) are skipped and counted;
+    rows whose value is missing, null or not a string (a number, a list) are malformed: counted,
+    named in the log, and an error when they are more than `max_malformed_fraction` of the rows."""
     if text_field not in dataset.column_names:
         raise ConfigError(
             f"{where} has no column {text_field!r}; its columns are {dataset.column_names}. "
             "Set data.text_field to one of them"
         )
-    texts = [t for t in dataset[text_field] if isinstance(t, str) and t]
+    values = dataset[text_field]
+    texts = [t for t in values if isinstance(t, str) and t]
+    malformed: dict[str, int] = {}
+    for value in values:
+        if not isinstance(value, str):
+            kind = "null" if value is None else type(value).__name__
+            malformed[kind] = malformed.get(kind, 0) + 1
+    empty = sum(1 for t in values if t == "")
+    bad = sum(malformed.values())
+    if bad or empty:
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(malformed.items()))
+        log.info(
+            f"{where}: {len(texts)} of {len(values)} rows of {text_field!r} used; skipped "
+            f"{empty} empty" + (f" and {bad} malformed ({kinds})" if bad else "")
+        )
+    if values and bad / len(values) > max_malformed_fraction:
+        raise ConfigError(
+            f"{where}: {bad} of {len(values)} rows of column {text_field!r} are not text "
+            f"({kinds}), more than data.max_malformed_fraction={max_malformed_fraction:g}; fix "
+            "the data, choose another data.text_field, or raise data.max_malformed_fraction"
+        )
     if not texts:
         raise ConfigError(f"{where} has no non-empty text in column {text_field!r}")
     return texts
@@ -66,4 +94,4 @@ def file_documents(cfg: DataConfig) -> list[str]:
         raise ConfigError(f"cannot load {where}: {type(err).__name__}: {err}") from err
     if len(dataset) == 0:
         raise ConfigError(f"{where} split {cfg.split!r} is empty")
-    return _texts_from_dataset(dataset, cfg.text_field, where)
+    return _texts_from_dataset(dataset, cfg.text_field, where, cfg.max_malformed_fraction)
