@@ -275,3 +275,28 @@ def test_rows_that_are_not_text_are_counted_and_too_many_are_an_error(tmp_path):
         file_documents(typed_config(base).data)
     texts = file_documents(typed_config([*base, "data.max_malformed_fraction=1"]).data)
     assert len(texts) == 16
+
+
+def test_unreadable_files_name_the_file_and_the_cause(tmp_path):
+    """Non-UTF-8 or empty text files gave a generic DatasetGenerationError; a file given as
+    data.path said only "Couldn't find any data file"."""
+    from recipe.config import ConfigError
+    from recipe.data.sources import file_documents
+    from tests.helpers.config import typed_config
+
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café au lait\n".encode("latin-1"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+
+    def load(*overrides):
+        return file_documents(typed_config(["data=files", *overrides]).data)
+
+    with pytest.raises(ConfigError, match=r"latin1.txt.*UnicodeDecodeError.*must be UTF-8"):
+        load("data.path=text", f"data.data_files={latin1}")
+    with pytest.raises(ConfigError, match=r"empty.txt'? is empty: no rows to read"):
+        load("data.path=text", f"data.data_files={empty}")
+    with pytest.raises(
+        ConfigError, match=rf"is a file; .* data.path=text data.data_files={latin1}"
+    ):
+        load(f"data.path={latin1}")

@@ -71,12 +71,35 @@ def pydoc_documents() -> list[str]:
     return _texts_from_dataset(dataset, "text", "pydoc_data.topics")
 
 
+BUILDER_OF_SUFFIX = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".csv": "csv",
+}
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__
+    return err
+
+
 def file_documents(cfg: DataConfig) -> list[str]:
+    from pathlib import Path
+
     import datasets
 
     where = f"data.path={cfg.path!r}" + (
         f" data.data_files={cfg.data_files!r}" if cfg.data_files else ""
     )
+    if Path(cfg.path).is_file():
+        builder = BUILDER_OF_SUFFIX.get(Path(cfg.path).suffix.lower(), "json")
+        raise ConfigError(
+            f"data.path={cfg.path} is a file; data.path names the format and data.data_files "
+            f"the files: data.path={builder} data.data_files={cfg.path}"
+        )
     try:
         dataset = datasets.load_dataset(
             cfg.path, name=cfg.name, data_files=cfg.data_files, split=cfg.split
@@ -90,8 +113,14 @@ def file_documents(cfg: DataConfig) -> list[str]:
         raise ConfigError(f"{where} is empty: no rows to read") from err
     except ValueError as err:
         raise ConfigError(f"cannot load {where} split {cfg.split!r}: {err}") from err
-    except Exception as err:  # connection errors, unknown builders: say what was asked for
-        raise ConfigError(f"cannot load {where}: {type(err).__name__}: {err}") from err
+    except Exception as err:  # decode errors, connection errors, unknown builders
+        cause = _root_cause(err)  # DatasetGenerationError hides e.g. a UnicodeDecodeError
+        if type(cause).__name__ == "SchemaInferenceError":
+            raise ConfigError(f"{where} is empty: no rows to read") from err
+        hint = ""
+        if isinstance(cause, UnicodeDecodeError):
+            hint = "; the files must be UTF-8 (convert them, e.g. with iconv)"
+        raise ConfigError(f"cannot load {where}: {type(cause).__name__}: {cause}{hint}") from err
     if len(dataset) == 0:
         raise ConfigError(f"{where} split {cfg.split!r} is empty")
     return _texts_from_dataset(dataset, cfg.text_field, where, cfg.max_malformed_fraction)
