@@ -5,12 +5,17 @@ Thin by design: compose and validate the config, then hand a typed config to rec
 
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from recipe.config import register_configs
-from recipe.launch.overrides import quote_numeric_group_choices, single_run_dir_for_rank
+from recipe.launch.overrides import (
+    check_group_choices,
+    quote_numeric_group_choices,
+    single_run_dir_for_rank,
+)
 
 register_configs()
 
@@ -23,5 +28,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    problem = check_group_choices(sys.argv[1:], Path(__file__).parent / "conf")
+    if problem:
+        print(f"config error: {problem}", file=sys.stderr)
+        sys.exit(2)
     sys.argv[1:] = single_run_dir_for_rank(quote_numeric_group_choices(sys.argv[1:]), os.environ)
     main()

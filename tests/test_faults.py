@@ -300,3 +300,38 @@ def test_unreadable_files_name_the_file_and_the_cause(tmp_path):
         ConfigError, match=rf"is a file; .* data.path=text data.data_files={latin1}"
     ):
         load(f"data.path={latin1}")
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (
+            ["cp=8"],
+            "cp=8: the config group cp has no option '8'; its options are 1, 2, 4; cp.size=8",
+        ),
+        (["-m", "cp=1,8"], "cp=8: the config group cp has no option '8'"),
+        (["model=huge"], "model=huge: the config group model has no option 'huge'; its options"),
+    ],
+)
+def test_a_missing_group_option_exits_2_with_the_options(tmp_path, args, fragment):
+    """Hydra's own error for `cp=8` exited 1 and did not point at cp.size=8."""
+    from tests.helpers.cli import run_train_cli
+
+    result = run_train_cli(args, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert f"config error: {fragment}" in result.stderr
+
+
+def test_group_choices_leave_what_hydra_owns_alone():
+    from recipe.launch.overrides import check_group_choices
+    from tests.helpers.config import CONF_DIR
+
+    conf = Path(CONF_DIR)
+    for args in (
+        ["hydra/job_logging=disabled"],
+        ["cp.size=8"],
+        ["experiment=null"],
+        ["cp='1','2'"],
+        ["model=small", "data=pydoc"],
+    ):
+        assert check_group_choices(args, conf) is None, args

@@ -1,4 +1,5 @@
-"""Let `cp=2` select the config group option `cp/2.yaml`.
+"""Let `cp=2` select the config group option `cp/2.yaml`, and refuse a group option that does not
+exist before Hydra does (Hydra's own error exits 1 and lists nothing to do instead).
 
 Hydra parses `cp=2` as an integer and refuses it as a group choice ("Config group override must be
 a string"). Quoting the value on the way in keeps the documented command line (`cp=2`,
@@ -8,6 +9,7 @@ a string"). Quoting the value on the way in keeps the documented command line (`
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from recipe.launch.environment import read_environment
 
@@ -45,3 +47,30 @@ def single_run_dir_for_rank(args: list[str], environ: dict[str, str]) -> list[st
         "hydra/job_logging=disabled",
         "hydra/hydra_logging=disabled",
     ]
+
+
+# What to use when a group has no file for the option asked for.
+OPTION_HINTS = {"cp": "cp.size={value} sets any context-parallel size (with cp=1 as the base)"}
+
+
+def check_group_choices(args: list[str], conf_dir: Path) -> str | None:
+    """A message for the first `group=option` naming an option the group does not have, else
+    None. Only plain choices are checked (sweeps `a,b`, quoted numbers); Hydra handles the rest."""
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        group = key.lstrip("+")
+        if not sep or key.startswith("~") or "." in group or group.startswith("hydra/"):
+            continue  # hydra/* groups also have Hydra's built-in options, which have no file here
+        if not (conf_dir / group).is_dir():
+            continue
+        if any(c in value for c in "()[]{}$"):  # sweep functions, interpolations: Hydra's part
+            continue
+        options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+        for choice in (c.strip().strip("'\"") for c in value.split(",")):
+            if choice and choice != "null" and choice not in options:
+                hint = OPTION_HINTS.get(group, "").format(value=choice)
+                return (
+                    f"{group}={choice}: the config group {group} has no option {choice!r}; "
+                    f"its options are {', '.join(options)}" + (f"; {hint}" if hint else "")
+                )
+    return None
