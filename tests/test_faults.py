@@ -106,6 +106,7 @@ def _strict_json_lines(path: Path) -> list[dict]:
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.stack_independent
 def test_a_diverging_run_stops_at_the_first_nonfinite_step_with_strict_json(tmp_path):
     """optim.lr=1e3 used to go to NaN and exit 0, with bare NaN in metrics.jsonl."""
     from tests.helpers.cli import run_train_cli
@@ -313,6 +314,7 @@ def test_unreadable_files_name_the_file_and_the_cause(tmp_path):
         (["model=huge"], "model=huge: the config group model has no option 'huge'; its options"),
     ],
 )
+@pytest.mark.stack_independent
 def test_a_missing_group_option_exits_2_with_the_options(tmp_path, args, fragment):
     """Hydra's own error for `cp=8` exited 1 and did not point at cp.size=8."""
     from tests.helpers.cli import run_train_cli
@@ -335,3 +337,36 @@ def test_group_choices_leave_what_hydra_owns_alone():
         ["model=small", "data=pydoc"],
     ):
         assert check_group_choices(args, conf) is None, args
+
+
+@pytest.mark.stack_independent
+def test_a_signalled_self_launched_job_exits_with_the_convention_and_one_line(tmp_path):
+    """SIGTERM/SIGINT of a cp=2 job exited 1 with a 47-line traceback (cp=1: 143/130). SIGINT
+    takes the same path (torch elastic's SignalException) and exits 130."""
+    signum, code = signal.SIGTERM, 143
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+    env["WANDB_MODE"] = "disabled"
+    job = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *TINY, "cp=2", "trainer.max_steps=500"]
+        + [f"hydra.run.dir={run_dir}"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert job.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        job.send_signal(signum)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == code
+    assert "Traceback" not in stderr
+    assert f"stopped by {signal.Signals(signum).name}; the ranks were ended" in stderr
+    assert not _rank_processes(job.pid)

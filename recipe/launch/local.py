@@ -49,6 +49,7 @@ def launch_world(cfg: TrainConfig, entrypoint=_worker) -> dict:
     A rank that fails takes the others down at once (the agent watches every 0.1 s); its error
     comes back as RanksFailed.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -67,7 +68,24 @@ def launch_world(cfg: TrainConfig, entrypoint=_worker) -> dict:
         results = elastic_launch(launch_cfg, entrypoint=entrypoint)(cfg)
     except ChildFailedError as err:
         raise RanksFailed(_describe_failures(err.failures)) from None
+    except SignalException as err:  # the agent has already ended the ranks
+        raise RanksStopped(err.sigval) from None
     return results[0]
+
+
+class RanksStopped(Exception):
+    """The job was sent a termination signal (SIGTERM, SIGINT, ...); its ranks were ended."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        self.signum = int(signum)
+        super().__init__(f"stopped by {signal.Signals(self.signum).name}; the ranks were ended")
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention: 128 + the signal number (143 for SIGTERM, 130 for SIGINT)."""
+        return 128 + self.signum
 
 
 # What a rank reports when it failed only because another one died first.

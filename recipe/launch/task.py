@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipe.config import ConfigError, TrainConfig
 from recipe.launch.environment import adopt_environment
-from recipe.launch.local import RanksFailed, check_launchable, launch_world
+from recipe.launch.local import RanksFailed, RanksStopped, check_launchable, launch_world
 from recipe.launch.rundir import claim_run_directory
 from recipe.log import get_logger, quiet_libraries
 from recipe.training.trainer import NonFiniteStep, check_run_choices, train
@@ -70,6 +70,9 @@ def run(cfg: DictConfig):
             result = train(typed)
         else:
             result = launch_world(typed)
+    except RanksStopped as err:
+        log.error(str(err))
+        raise SystemExit(err.exit_code) from None
     except (ConfigError, RanksFailed, NonFiniteStep) as err:
         if multirun:
             raise  # Hydra marks the job failed; the sweep's parity report lists it
