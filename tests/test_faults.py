@@ -108,11 +108,13 @@ def _strict_json_lines(path: Path) -> list[dict]:
 
 @pytest.mark.stack_independent
 def test_a_diverging_run_stops_at_the_first_nonfinite_step_with_strict_json(tmp_path):
-    """optim.lr=1e3 used to go to NaN and exit 0, with bare NaN in metrics.jsonl."""
+    """optim.lr=1e3 used to go to NaN and exit 0, with bare NaN in metrics.jsonl. (lr=1e30 here:
+    it overflows on every stack's numerics, lr=1e3 only on some.)"""
     from tests.helpers.cli import run_train_cli
 
     result = run_train_cli(
-        ["optim.lr=1e3", "trainer.max_steps=20", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path
+        ["optim.lr=1e30", "trainer.max_steps=20", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
     )
     assert result.returncode == 1
     records = _strict_json_lines(tmp_path / "run" / "metrics.jsonl")
@@ -131,7 +133,9 @@ def test_skip_step_leaves_the_weights_alone_and_goes_on():
     from tests.helpers.config import typed_config
     from tests.helpers.world import lone_world
 
-    cfg = typed_config(["optim.lr=1e3", "trainer.max_steps=6", "trainer.on_nonfinite=skip_step"])
+    # lr=1e30: the first update puts weights near 1e30, so the next logits overflow on every
+    # stack (lr=1e3 diverges to NaN on one release's numerics and stays finite on the other's).
+    cfg = typed_config(["optim.lr=1e30", "trainer.max_steps=6", "trainer.on_nonfinite=skip_step"])
     with lone_world() as layout:
         trainer = Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data))
         skipped = 0
@@ -142,7 +146,7 @@ def test_skip_step_leaves_the_weights_alone_and_goes_on():
             unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
             assert unchanged == bool(record.get("nonfinite")), record
             skipped += unchanged
-    assert skipped, "lr=1e3 diverges within 6 steps"
+    assert skipped, "lr=1e30 overflows within 6 steps"
 
 
 def test_unknown_keys_are_refused_even_when_added_with_plus():
