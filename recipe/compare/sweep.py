@@ -43,8 +43,7 @@ def count_sweep_jobs(config: DictConfig) -> int | None:
 
 def check_compare_config(config: DictConfig, jobs: int | None) -> CompareConfig:
     """`compare.*` as the sweep will use it, refused before any job runs when it cannot work."""
-    fields = OmegaConf.to_container(config.compare, resolve=True)
-    compare = CompareConfig(**{k: fields[k] for k in ("rtol", "baseline", "fail_exit_code")})
+    compare = CompareConfig(**OmegaConf.to_container(config.compare, resolve=True))
     if compare.baseline != "auto" and jobs is not None and int(compare.baseline) >= jobs:
         raise ConfigError(
             f"compare.baseline={compare.baseline} is not a job of this sweep: it runs {jobs} "

@@ -39,13 +39,9 @@ def check_known_keys(values: dict, schema, prefix: str = "") -> None:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else ""
             raise ConfigError(f"unknown config key {prefix}{key}{hint}")
-        field_type = (
-            known[key].default_factory
-            if dataclasses.is_dataclass(known[key].default_factory)
-            else None
-        )
-        if field_type is not None and isinstance(value, dict):
-            check_known_keys(value, field_type, f"{prefix}{key}.")
+        nested = known[key].default_factory  # a nested section's dataclass, or MISSING/list
+        if isinstance(value, dict) and dataclasses.is_dataclass(nested):
+            check_known_keys(value, nested, f"{prefix}{key}.")
 
 
 def run(cfg: DictConfig):
