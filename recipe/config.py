@@ -365,6 +365,16 @@ class TrainerConfig:
     collective_timeout_s: float = 300.0
     """How long any collective (on every process group, megatron's included) may wait for the
     other ranks before the job ends with an error: a stalled rank cannot hang the job longer."""
+    checkpoint_every: int = 100
+    """Write a checkpoint to <run dir>/checkpoints every this many steps and at the end
+    (0: none). Checkpoints hold full tensors, so any parallel layout can resume them."""
+    checkpoint_keep: int = 2
+    """How many of the newest checkpoints stay; older ones are removed."""
+    resume: str | None = None
+    """null: start fresh | auto: continue from this run directory's newest checkpoint (or start
+    fresh when it has none) | PATH: a checkpoint, or a run directory, to continue from."""
+    requeue: bool = False
+    """After the checkpoint that SIGTERM/SIGUSR1 triggers, requeue the SLURM job (scontrol)."""
 
     def __post_init__(self) -> None:
         _one_of("trainer.precision", self.precision, PRECISIONS)
@@ -378,6 +388,15 @@ class TrainerConfig:
         _one_of("trainer.on_nonfinite", self.on_nonfinite, ("stop", "skip_step"))
         _require(self.eval_every >= 0, f"trainer.eval_every must be >= 0, got {self.eval_every}")
         _positive("trainer.log_every", self.log_every)
+        _require(
+            self.checkpoint_every >= 0,
+            f"trainer.checkpoint_every must be >= 0 (0: none), got {self.checkpoint_every}",
+        )
+        _positive("trainer.checkpoint_keep", self.checkpoint_keep)
+        _require(
+            self.resume is None or (isinstance(self.resume, str) and self.resume.strip()),
+            f"trainer.resume must be null, auto or a path, got {self.resume!r}",
+        )
 
 
 @dataclass

@@ -181,7 +181,7 @@ def test_failed_jobs_and_truncated_metrics_are_reported(tmp_path):
     runs = find_runs([tmp_path])
     report, passed = write_report(runs, tmp_path, 1e-5, failures=[("2", "RanksFailed: boom")])
     assert not passed
-    assert "ignored a truncated last line (6)" in report
+    assert "ignored a line cut short by a kill (6)" in report
     assert "| 2 | - |" in report and "**FAIL** (job failed)" in report
     assert "job 2 failed: RanksFailed: boom" in report
     assert "1 passed, 1 failed" in report

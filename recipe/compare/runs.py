@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipe.training.loggers import METRICS_FILE
+from recipe.training.loggers import METRICS_FILE, parse_metrics_lines
 
 # Config keys that say nothing about what a run computed: where it wrote and how it logged.
 IGNORED_PREFIXES = (
@@ -31,7 +31,7 @@ class Run:
     config: dict[str, object] = field(default_factory=dict)
     """Flattened resolved config (`a.b.c` keys), empty when the run has no .hydra/config.yaml."""
     notes: list[str] = field(default_factory=list)
-    """What loading had to work around (a truncated last line)."""
+    """What loading had to work around (a line cut short by a kill)."""
 
     @property
     def cp(self) -> int | None:
@@ -63,16 +63,11 @@ def load_run(path: str | Path) -> Run:
     metrics_file = path / METRICS_FILE
     if not metrics_file.exists():
         raise FileNotFoundError(f"{path} has no {METRICS_FILE}: not a run directory")
-    metrics, notes = [], []
-    lines = [line for line in metrics_file.read_text().splitlines() if line.strip()]
-    for number, line in enumerate(lines, start=1):
-        try:
-            metrics.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if number == len(lines):  # a run killed while writing its last line
-                notes.append(f"ignored a truncated last line ({number}) of {METRICS_FILE}")
-                continue
-            raise ValueError(f"{metrics_file}:{number} is not JSON: {err}") from err
+    try:
+        metrics, cut = parse_metrics_lines(metrics_file.read_text().splitlines())
+    except ValueError as err:
+        raise ValueError(f"{metrics_file}: {err}") from err
+    notes = [f"ignored a line cut short by a kill ({n}) of {METRICS_FILE}" for n in cut]
     config = {}
     config_file = path / ".hydra" / "config.yaml"
     if config_file.exists():

@@ -18,9 +18,19 @@ from recipe.log import quiet_libraries
 @record
 def _worker(cfg: TrainConfig) -> dict:
     quiet_libraries()
+    from recipe.training.preemption import Preempted
     from recipe.training.trainer import train
 
-    return train(cfg)
+    try:
+        return train(cfg)
+    except Preempted as err:  # the parent, signalled too, reports it; exit as the signal says
+        raise SystemExit(err.exit_code) from None
+
+
+# The agent forwards these to the ranks (and ends them 30 s later); SIGUSR1, SLURM's warning
+# before a time limit, is added so that it reaches the ranks' checkpoint instead of killing the
+# parent alone.
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 def max_local_ranks() -> int:
@@ -63,6 +73,7 @@ def launch_world(cfg: TrainConfig, entrypoint=_worker) -> dict:
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        signals_to_handle=FORWARDED_SIGNALS,
     )
     try:
         results = elastic_launch(launch_cfg, entrypoint=entrypoint)(cfg)

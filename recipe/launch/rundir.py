@@ -19,8 +19,9 @@ from recipe.training.loggers import METRICS_FILE
 LOCK_FILE = ".lock"
 
 
-def claim_run_directory(run_dir: str | Path):
-    """Lock `run_dir` for this job; returns the open lock file (keep it open until the end)."""
+def claim_run_directory(run_dir: str | Path, resuming: bool = False):
+    """Lock `run_dir` for this job; returns the open lock file (keep it open until the end).
+    Only a job that resumes (trainer.resume) may add to a directory that holds metrics."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held for the job's life
@@ -35,11 +36,12 @@ def claim_run_directory(run_dir: str | Path):
             "own hydra.run.dir (the default, outputs/DATE/TIME-MICROSECONDS, is unique)"
         ) from None
     metrics = run_dir / METRICS_FILE
-    if metrics.exists() and metrics.stat().st_size > 0:
+    if metrics.exists() and metrics.stat().st_size > 0 and not resuming:
         lock.close()
         raise ConfigError(
             f"run directory {run_dir} already holds the metrics of an earlier run "
-            f"({metrics.name}); give this job a new hydra.run.dir, or move the old run away"
+            f"({metrics.name}); give this job a new hydra.run.dir, move the old run away, or "
+            "continue it with trainer.resume=auto"
         )
     lock.seek(0)
     lock.truncate()

@@ -16,6 +16,14 @@ from recipe.launch.environment import adopt_environment
 from recipe.launch.local import RanksFailed, RanksStopped, check_launchable, launch_world
 from recipe.launch.rundir import claim_run_directory
 from recipe.log import get_logger, quiet_libraries
+from recipe.training.checkpoint import (
+    CheckpointWriteError,
+    read_manifest,
+    resolve_resume,
+    resume_differences,
+)
+from recipe.training.loggers import OutputWriteError
+from recipe.training.preemption import Preempted
 from recipe.training.trainer import NonFiniteStep, check_run_choices, train
 
 log = get_logger(__name__)
@@ -59,7 +67,9 @@ def run(cfg: DictConfig):
             check_launchable(typed)
         typed.output_dir = hydra_cfg.runtime.output_dir
         if env.rank == 0:
-            run_dir_lock = claim_run_directory(typed.output_dir)  # noqa: F841 - held until exit
+            resuming = typed.trainer.resume is not None
+            run_dir_lock = claim_run_directory(typed.output_dir, resuming)  # noqa: F841
+        check_resumable(typed)
         if multirun:
             group_sweep_in_wandb(typed, list(hydra_cfg.overrides.task))
         if typed.world_size == 1 or env.external:
@@ -67,9 +77,12 @@ def run(cfg: DictConfig):
         else:
             result = launch_world(typed)
     except RanksStopped as err:
-        log.error(str(err))
+        log.error(f"{err}; {_how_to_continue(typed.output_dir)}")
         raise SystemExit(err.exit_code) from None
-    except (ConfigError, RanksFailed, NonFiniteStep) as err:
+    except Preempted as err:
+        log.error(f"{err}; {_how_to_continue(typed.output_dir)}")
+        raise SystemExit(err.exit_code) from None
+    except (ConfigError, RanksFailed, NonFiniteStep, OutputWriteError, CheckpointWriteError) as err:
         if multirun:
             raise  # Hydra marks the job failed; the sweep's parity report lists it
         prefix = "config error: " if isinstance(err, ConfigError) else ""
@@ -78,6 +91,23 @@ def run(cfg: DictConfig):
     summary = result["summary"]
     log.info(_format_summary(summary, typed.output_dir))
     return summary.get("final_eval_lm_loss")
+
+
+def check_resumable(cfg: TrainConfig) -> None:
+    """Before any rank starts: the checkpoint trainer.resume names exists and fits this config."""
+    checkpoint = resolve_resume(cfg.trainer.resume, cfg.output_dir)
+    if checkpoint is not None:
+        resume_differences(read_manifest(checkpoint), cfg)
+
+
+def _how_to_continue(output_dir: str) -> str:
+    checkpoint = resolve_resume("auto", output_dir)
+    if checkpoint is None:
+        return "no checkpoint was written"
+    return (
+        f"newest checkpoint {checkpoint}; continue with trainer.resume=auto "
+        f"hydra.run.dir={output_dir}"
+    )
 
 
 def group_sweep_in_wandb(cfg: TrainConfig, overrides: list[str]) -> None:

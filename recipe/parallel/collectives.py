@@ -75,3 +75,25 @@ class _AllGatherSumBackward(torch.autograd.Function):
 
 def all_gather_with_sum_backward(tensor: torch.Tensor, group) -> torch.Tensor:
     return _AllGatherSumBackward.apply(tensor, group)
+
+
+def all_gather_along(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The group's shards of `tensor` joined along `dim`, in group-rank order (no autograd)."""
+    if dist.get_world_size(group) == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def max_over_ranks(value: int, device: torch.device, group=None) -> int:
+    """The largest of every rank's `value` (the whole world by default), on every rank."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return int(tensor.item())
+
+
+def barrier(group=None) -> None:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)

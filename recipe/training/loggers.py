@@ -3,10 +3,17 @@
 Only the main rank writes; every other rank gets a logger whose methods do nothing, so the training
 loop never branches on rank. wandb is optional at run time (`logger.wandb.mode=disabled`) and is
 always finished, even when training fails.
+
+metrics.jsonl is only ever appended to. A resumed run first appends a marker line,
+`{"resumed": {"from_step": N, ...}}`: the records after it replace those of steps after N before
+it (the steps the interrupted run took past its last checkpoint). `effective_records` applies
+that rule for every reader. A write that fails (a full disk) is undone to the last whole line and
+raised naming the file, so the file never ends in half a record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -15,6 +22,13 @@ from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+
+
+RESUMED = "resumed"
+
+
+class OutputWriteError(OSError):
+    """A run output could not be written; the message names the file and the cause."""
 
 
 class NullLogger:
@@ -26,17 +40,22 @@ class NullLogger:
     def log_summary(self, summary: dict) -> None:
         pass
 
+    def log_resume(self, step: int, history: list[dict], checkpoint, changes: list[str]) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
 
 class RunLogger(NullLogger):
-    def __init__(self, cfg, output_dir: str | None, total_steps: int):
+    def __init__(self, cfg, output_dir: str | None, total_steps: int, first_step: int = 0):
         self.output_dir = Path(output_dir) if output_dir else None
         self._metrics = None
         if self.output_dir is not None:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics = open(self.output_dir / METRICS_FILE, "w")  # noqa: SIM115
+            # Append: the run directory's lock lets a job in only when the file is empty or the
+            # job resumes this run.
+            self._metrics = open(self.output_dir / METRICS_FILE, "ab", buffering=0)  # noqa: SIM115
         self._bar = None
         if cfg.trainer.progress_bar:
             from tqdm.auto import tqdm
@@ -46,6 +65,7 @@ class RunLogger(NullLogger):
             interactive = sys.stderr.isatty()
             self._bar = tqdm(
                 total=total_steps,
+                initial=first_step,
                 desc="train",
                 unit="step",
                 dynamic_ncols=True,
@@ -72,10 +92,45 @@ class RunLogger(NullLogger):
             reinit="finish_previous",
         )
 
+    def _append(self, records: list[dict]) -> None:
+        """Append whole lines, or on failure nothing: the file is cut back to where it was."""
+        if self._metrics is None:
+            return
+        path = self.output_dir / METRICS_FILE
+        fd = self._metrics.fileno()
+        before = os.fstat(fd).st_size
+        data = "".join(json.dumps(r) + "\n" for r in records).encode()
+        try:
+            while data:  # unbuffered: a short write is retried, a failed one is undone below
+                data = data[os.write(fd, data) :]
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, before)
+            raise OutputWriteError(
+                f"could not write {path}: {err.strerror or err}; it keeps its {before} bytes "
+                "of whole lines (free space there and resume with trainer.resume=auto)"
+            ) from None
+
+    def log_resume(self, step: int, history: list[dict], checkpoint, changes: list[str]) -> None:
+        """Mark where a resumed run takes over. A new run directory first gets the checkpoint's
+        own records, so each run directory holds the whole curve."""
+        if self._metrics is None:
+            return
+        path = self.output_dir / METRICS_FILE
+        size = path.stat().st_size
+        if size and not path.read_bytes().endswith(b"\n"):
+            os.write(self._metrics.fileno(), b"\n")  # a line cut short by a kill stays apart
+        marker = {
+            RESUMED: {
+                "from_step": step,
+                "checkpoint": None if checkpoint is None else str(checkpoint),
+                "changed": changes,
+            }
+        }
+        self._append(([] if size else list(history)) + [marker])
+
     def log_step(self, metrics: dict) -> None:
-        if self._metrics is not None:
-            self._metrics.write(json.dumps(metrics) + "\n")
-            self._metrics.flush()
+        self._append([metrics])
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
         if self._bar is not None:
@@ -91,7 +146,15 @@ class RunLogger(NullLogger):
 
     def log_summary(self, summary: dict) -> None:
         if self.output_dir is not None:
-            (self.output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+            path = self.output_dir / SUMMARY_FILE
+            tmp = path.with_name(path.name + ".tmp")
+            try:
+                tmp.write_text(json.dumps(summary, indent=2) + "\n")
+                os.replace(tmp, path)
+            except OSError as err:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise OutputWriteError(f"could not write {path}: {err.strerror or err}") from None
         if self._wandb is not None:
             self._wandb.summary.update({k: v for k, v in summary.items() if v is not None})
 
@@ -105,6 +168,36 @@ class RunLogger(NullLogger):
             self._wandb = None
 
 
+def effective_records(records: list[dict]) -> list[dict]:
+    """The step records of a metrics.jsonl after resumes: a resume marker removes the records
+    of steps after its `from_step` that came before it."""
+    out: list[dict] = []
+    for record in records:
+        if RESUMED in record:
+            from_step = record[RESUMED]["from_step"]
+            out = [r for r in out if r["step"] <= from_step]
+        else:
+            out.append(record)
+    return out
+
+
+def parse_metrics_lines(lines: list[str]) -> tuple[list[dict], list[int]]:
+    """Records of metrics.jsonl lines, and the numbers of lines cut short by a kill (the last
+    line, or one right before a resume marker); any other line that is not JSON raises."""
+    records, cut = [], []
+    lines = [line for line in lines if line.strip()]
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            following = lines[number] if number < len(lines) else None
+            if following is None or f'"{RESUMED}"' in following:
+                cut.append(number)
+                continue
+            raise ValueError(f"line {number} is not JSON: {err}") from err
+    return effective_records(records), cut
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return parse_metrics_lines(path.read_text().splitlines())[0]

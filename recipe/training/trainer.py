@@ -14,6 +14,7 @@ import contextlib
 import math
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -22,6 +23,7 @@ from recipe.data.batching import StepStream, chunk_for_eval
 from recipe.data.corpus import Corpus, load_corpus
 from recipe.data.thd import aligned_length
 from recipe.launch.environment import read_environment
+from recipe.log import get_logger
 from recipe.model.compat import (
     check_te_cp_comm_type,
     confirm_mtp_backward_taken,
@@ -38,9 +40,21 @@ from recipe.model.numerics import (
 )
 from recipe.parallel import collectives, groups
 from recipe.parallel.layout import ParallelLayout
+from recipe.training.checkpoint import (
+    CHECKPOINTS_DIR,
+    FORMAT_VERSION,
+    config_fingerprint,
+    full_state,
+    load_full_state,
+    read_manifest,
+    resolve_resume,
+    resume_differences,
+    save_checkpoint,
+)
 from recipe.training.loggers import NullLogger, RunLogger
 from recipe.training.metrics import StepMetrics, mtp_layer_means, optimised_loss, summarize
 from recipe.training.optimizer import build_optimizer, grad_norm, lr_at, set_lr
+from recipe.training.preemption import Preempted, StopRequests, requeue_slurm_job
 from recipe.training.step import StepWork, forward_step, loss_func, plan_step
 from recipe.training.throughput import (
     device_peak_tflops,
@@ -92,6 +106,7 @@ class Trainer:
         """Optimizer steps taken."""
         self.history: list[dict] = []
         """metrics.jsonl records of the steps taken."""
+        self.checkpoint_dir = Path(cfg.output_dir) / CHECKPOINTS_DIR if cfg.output_dir else None
 
     def _plan(self, sequences: list[list[int]]) -> StepWork:
         return plan_step(
@@ -101,17 +116,26 @@ class Trainer:
     def train(self) -> dict:
         """Train up to trainer.max_steps; returns {"summary": ..., "history": [records]}."""
         loop_start = time.perf_counter()
-        while self.step < self.cfg.trainer.max_steps:
-            record = self.train_step().to_record()
-            self.history.append(record)
-            self.logger.log_step(record)
-            if record.get("nonfinite") and self.cfg.trainer.on_nonfinite == "stop":
-                values = ", ".join(f"{k}=nan/inf" for k in record["nonfinite"])
-                raise NonFiniteStep(
-                    f"step {self.step}: {values}; the weights stay at step {self.step - 1} "
-                    "(trainer.on_nonfinite=stop). Lower optim.lr or raise optim.warmup_steps, "
-                    "or set trainer.on_nonfinite=skip_step to skip such steps"
-                )
+        with StopRequests() as stop:
+            while self.step < self.cfg.trainer.max_steps:
+                record = self.train_step().to_record()
+                self.history.append(record)
+                self.logger.log_step(record)
+                if record.get("nonfinite") and self.cfg.trainer.on_nonfinite == "stop":
+                    values = ", ".join(f"{k}=nan/inf" for k in record["nonfinite"])
+                    raise NonFiniteStep(
+                        f"step {self.step}: {values}; the weights stay at step {self.step - 1} "
+                        "(trainer.on_nonfinite=stop). Lower optim.lr or raise "
+                        "optim.warmup_steps, or set trainer.on_nonfinite=skip_step to skip such "
+                        "steps"
+                    )
+                with self._collectives_in("the end-of-step signal check"):
+                    signum = collectives.max_over_ranks(stop.signum, self.device)
+                checkpoint = None
+                if signum or self._checkpoint_due():
+                    checkpoint = self.save_checkpoint()
+                if signum:
+                    raise Preempted(signum, self.step, checkpoint)
         summary = summarize(
             self.history,
             entropy_floor=self.corpus.entropy_floor,
@@ -246,6 +270,56 @@ class Trainer:
             )
         return loss_sum / expected
 
+    def _checkpoint_due(self) -> bool:
+        every = self.cfg.trainer.checkpoint_every
+        if not every or self.checkpoint_dir is None:
+            return False
+        return self.step % every == 0 or self.step == self.cfg.trainer.max_steps
+
+    def save_checkpoint(self) -> Path | None:
+        """Write this step's checkpoint (every rank takes part); None when the run has no
+        output directory to write it to."""
+        if self.checkpoint_dir is None:
+            return None
+        import megatron.core
+
+        with self._collectives_in("the checkpoint's tensor-parallel gather"):
+            tensors = full_state(self.model, self.optimizer, self.tp_group)
+        manifest = {
+            "format": FORMAT_VERSION,
+            "step": self.step,
+            "data": self.steps.state_dict(),
+            "history": self.history,
+            "layout": {
+                "tp": self.layout.tp_size,
+                "cp": self.layout.cp_size,
+                "dp": self.layout.dp_size,
+            },
+            "config": config_fingerprint(self.cfg),
+            "versions": {"torch": torch.__version__, "megatron_core": megatron.core.__version__},
+        }
+        return save_checkpoint(
+            self.checkpoint_dir,
+            self.step,
+            tensors,
+            manifest,
+            self.layout.is_main,
+            self.cfg.trainer.checkpoint_keep,
+        )
+
+    def restore(self, checkpoint: Path) -> list[str]:
+        """Continue from a checkpoint written at any layout; returns the allowed settings that
+        changed since (`key: old -> new`)."""
+        manifest = read_manifest(checkpoint)
+        changes = resume_differences(manifest, self.cfg)
+        load_full_state(
+            checkpoint, self.model, self.optimizer, self.layout.tp_rank, self.layout.tp_size
+        )
+        self.steps.load_state_dict(manifest["data"])
+        self.step = int(manifest["step"])
+        self.history = list(manifest["history"])
+        return changes
+
     def state_dict(self) -> dict:
         """Everything a resumed run needs: weights, optimizer moments, data position, history.
         (The recipe draws no random numbers while training: no dropout, seeded data order.)"""
@@ -318,9 +392,20 @@ def train(cfg: TrainConfig) -> dict:
         apply_determinism(cfg.trainer.deterministic)
         corpus = load_corpus(cfg.data)
         trainer = Trainer(cfg, layout, env.device, corpus)
+        checkpoint = resolve_resume(cfg.trainer.resume, cfg.output_dir)
+        changes = trainer.restore(checkpoint) if checkpoint else []
         if layout.is_main:
-            logger = trainer.logger = RunLogger(cfg, cfg.output_dir, cfg.trainer.max_steps)
-        return trainer.train()
+            logger = trainer.logger = RunLogger(
+                cfg, cfg.output_dir, cfg.trainer.max_steps, first_step=trainer.step
+            )
+            if cfg.trainer.resume is not None:
+                logger.log_resume(trainer.step, trainer.history, checkpoint, changes)
+        try:
+            return trainer.train()
+        except Preempted:
+            if cfg.trainer.requeue and layout.is_main:
+                get_logger(__name__).warning(requeue_slurm_job())
+            raise
     finally:
         logger.close()
         if owns_world:

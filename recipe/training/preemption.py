@@ -1,0 +1,70 @@
+"""Stop at a step boundary on SIGTERM or SIGUSR1 (a scheduler's warning), after a checkpoint.
+
+A signal only sets a flag; at the end of each step the ranks agree (one all-reduce of the signal
+number) so that they all checkpoint the same step and stop together, whichever of them the signal
+reached first. SIGINT keeps Python's behaviour (stop at once): a person pressing Ctrl-C wants the
+prompt back, a scheduler wants the work kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import threading
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after writing a checkpoint of `step`."""
+
+    def __init__(self, signum: int, step: int, checkpoint):
+        self.signum, self.step, self.checkpoint = int(signum), step, checkpoint
+        name = signal.Signals(self.signum).name
+        where = f"wrote checkpoint {checkpoint}" if checkpoint else "wrote no checkpoint"
+        super().__init__(f"stopped by {name} after step {step}; {where}")
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number: 143 for SIGTERM, 138 for SIGUSR1."""
+        return 128 + self.signum
+
+
+class StopRequests(contextlib.AbstractContextManager):
+    """Catches the stop signals while training; `signum` is the first that arrived (0: none)."""
+
+    def __init__(self):
+        self.signum = 0
+        self._previous: dict = {}
+
+    def _catch(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._catch)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def requeue_slurm_job(environ=os.environ) -> str:
+    """Ask SLURM to run this job again (it resumes with trainer.resume=auto); returns what
+    happened, for the log."""
+    job = environ.get("SLURM_JOB_ID")
+    if not job:
+        return "trainer.requeue=true, but this is not a SLURM job (no SLURM_JOB_ID): not requeued"
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return f"trainer.requeue=true, but scontrol is not on PATH: SLURM job {job} not requeued"
+    done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
+    if done.returncode:
+        return f"scontrol requeue {job} failed ({done.returncode}): {done.stderr.strip()}"
+    return f"requeued SLURM job {job}"
