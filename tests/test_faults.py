@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import RANK_VARIABLES
+from tests.helpers.cli import RANK_VARIABLES, start_train_cli, wait_for_steps
 from tests.helpers.config import ROOT, TINY
 
 TIMEOUT_S = 10
@@ -51,31 +51,14 @@ def test_a_stalled_rank_ends_the_job_within_the_collective_timeout(tmp_path):
     """SIGSTOP of rank 1 at cp=2 used to block rank 0 silently for more than 9 minutes: megatron's
     groups, which carry the CP exchanges and gradients, kept megatron's 30-minute timeout."""
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
-    env["WANDB_MODE"] = "disabled"
-    job = subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            *TINY,
-            "cp=2",
-            "trainer.max_steps=500",
-            f"trainer.collective_timeout_s={TIMEOUT_S}",
-            f"hydra.run.dir={run_dir}",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
+    job = start_train_cli(
+        ["cp=2", "trainer.max_steps=500", f"trainer.collective_timeout_s={TIMEOUT_S}"],
+        run_dir,
         stderr=subprocess.STDOUT,
-        text=True,
     )
     stalled = None
     try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 300
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert job.poll() is None, job.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "the job never trained two steps"
-            time.sleep(0.2)
+        wait_for_steps(job, run_dir, 2)
         ranks = _rank_processes(job.pid)
         assert len(ranks) == 2, ranks
         stalled = ranks[1]
@@ -349,22 +332,9 @@ def test_a_signalled_self_launched_job_exits_with_the_convention_and_one_line(tm
     takes the same path (torch elastic's SignalException) and exits 130."""
     signum, code = signal.SIGTERM, 143
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
-    env["WANDB_MODE"] = "disabled"
-    job = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *TINY, "cp=2", "trainer.max_steps=500"]
-        + [f"hydra.run.dir={run_dir}"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    job = start_train_cli(["cp=2", "trainer.max_steps=500"], run_dir)
     try:
-        deadline = time.monotonic() + 300
-        metrics = run_dir / "metrics.jsonl"
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert job.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_for_steps(job, run_dir, 2)
         job.send_signal(signum)
         _, stderr = job.communicate(timeout=120)
     finally:

@@ -19,6 +19,9 @@ IGNORED_PREFIXES = (
     "logger.",
     "trainer.progress_bar",
     "trainer.log_every",
+    "trainer.checkpoint_",  # where and how often state is saved, and whether the run resumed:
+    "trainer.resume",  # not what is computed
+    "trainer.requeue",
     "compare.",
     "hydra.",
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -24,6 +25,8 @@ def _worker(cfg: TrainConfig) -> dict:
     try:
         return train(cfg)
     except Preempted as err:  # the parent, signalled too, reports it; exit as the signal says
+        if err.requeue_outcome:
+            print(err.requeue_outcome, file=sys.stderr)
         raise SystemExit(err.exit_code) from None
 
 

@@ -80,7 +80,7 @@ def run(cfg: DictConfig):
         log.error(f"{err}; {_how_to_continue(typed.output_dir)}")
         raise SystemExit(err.exit_code) from None
     except Preempted as err:
-        log.error(f"{err}; {_how_to_continue(typed.output_dir)}")
+        log.error(f"{err}; continue with trainer.resume=auto hydra.run.dir={typed.output_dir}")
         raise SystemExit(err.exit_code) from None
     except (ConfigError, RanksFailed, NonFiniteStep, OutputWriteError, CheckpointWriteError) as err:
         if multirun:

@@ -278,6 +278,7 @@ def save_checkpoint(
     go to `step_N.partial`, renamed to `step_N` once complete; then only the newest `keep`
     complete checkpoints stay. Returns the checkpoint's path on every rank."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     final = directory / checkpoint_name(step)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
@@ -295,7 +296,7 @@ def save_checkpoint(
             os.replace(partial, final)
             _fsync_directory(directory)
             prune_checkpoints(directory, keep)
-    except Exception as err:  # DCP wraps each rank's OSError in a CheckpointException
+    except (Exception, CheckpointException) as err:  # DCP wraps each rank's OSError
         raise CheckpointWriteError(
             f"could not write checkpoint {partial}: {_root_cause(err)}. Free space or fix "
             "permissions there; the incomplete directory is never read by resume"

@@ -23,9 +23,15 @@ class Preempted(Exception):
 
     def __init__(self, signum: int, step: int, checkpoint):
         self.signum, self.step, self.checkpoint = int(signum), step, checkpoint
+        self.requeue_outcome: str | None = None
+        """What `trainer.requeue` did, when it was asked for."""
+        super().__init__(signum, step, checkpoint)
+
+    def __str__(self) -> str:
         name = signal.Signals(self.signum).name
-        where = f"wrote checkpoint {checkpoint}" if checkpoint else "wrote no checkpoint"
-        super().__init__(f"stopped by {name} after step {step}; {where}")
+        where = f"wrote checkpoint {self.checkpoint}" if self.checkpoint else "wrote no checkpoint"
+        requeue = f"; {self.requeue_outcome}" if self.requeue_outcome else ""
+        return f"stopped by {name} after step {self.step}; {where}{requeue}"
 
     @property
     def exit_code(self) -> int:

@@ -23,7 +23,6 @@ from recipe.data.batching import StepStream, chunk_for_eval
 from recipe.data.corpus import Corpus, load_corpus
 from recipe.data.thd import aligned_length
 from recipe.launch.environment import read_environment
-from recipe.log import get_logger
 from recipe.model.compat import (
     check_te_cp_comm_type,
     confirm_mtp_backward_taken,
@@ -402,9 +401,9 @@ def train(cfg: TrainConfig) -> dict:
                 logger.log_resume(trainer.step, trainer.history, checkpoint, changes)
         try:
             return trainer.train()
-        except Preempted:
+        except Preempted as err:
             if cfg.trainer.requeue and layout.is_main:
-                get_logger(__name__).warning(requeue_slurm_job())
+                err.requeue_outcome = requeue_slurm_job()
             raise
     finally:
         logger.close()

@@ -1,0 +1,351 @@
+"""Checkpoints and resume: killed runs continue bit for bit, and any layout resumes any other's.
+
+The end-to-end tests run `train.py` as a user would and kill it with SIGKILL (the whole job:
+self-launch parent and ranks) at whatever step it has reached, then resume with
+`trainer.resume=auto`. Same layout: every logged value equals the uninterrupted run's exactly.
+Another layout: within the parity tolerance, with a negative control (a checkpoint whose data
+position is wrong) that must fail the same comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recipe.compare.diff import compare
+from recipe.compare.runs import load_run
+from recipe.errors import ConfigError
+from recipe.training import checkpoint as ckpt
+from recipe.training.loggers import (
+    OutputWriteError,
+    RunLogger,
+    effective_records,
+    parse_metrics_lines,
+    read_metrics,
+)
+from tests.helpers.cli import run_train_cli, start_train_cli, wait_for_steps
+from tests.helpers.config import typed_config
+
+# 24 steps, a checkpoint every 8 (all kept), MTP on: the tiny run takes about 0.1 s a step, so a
+# test that waits for step 10 and kills finds the job between two checkpoints.
+RUN = [
+    "trainer.max_steps=24",
+    "trainer.checkpoint_every=8",
+    "trainer.checkpoint_keep=3",
+    "mtp=on",
+]
+TIMING = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu")
+RTOL = 1e-5  # compare.rtol's default: the parity tolerance for fp32 on CPU
+
+
+def _curve(records: list[dict]) -> list[dict]:
+    """Every logged value except wall-clock timings."""
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def _train(run_dir: Path, *args: str) -> list[dict]:
+    done = run_train_cli([*RUN, *args, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return read_metrics(run_dir)
+
+
+def _kill_during_training(run_dir: Path, after_steps: int, *args: str) -> int:
+    """Start a run, SIGKILL the whole job once it logged `after_steps` steps; returns the steps
+    it had logged when it died."""
+    job = start_train_cli([*RUN, *args], run_dir)
+    try:
+        wait_for_steps(job, run_dir, after_steps)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
+    logged = read_metrics(run_dir)
+    assert len(logged) < 24, "the job finished before the kill: nothing was interrupted"
+    return len(logged)
+
+
+@pytest.fixture(scope="module")
+def reference_cp1(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference") / "cp1"
+    _train(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def reference_cp2(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference") / "cp2"
+    _train(run_dir, "cp=2")
+    return run_dir
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [[], ["cp=2"]], ids=["cp1", "cp2"])
+def test_a_killed_run_resumes_bit_for_bit(layout, tmp_path, reference_cp1, reference_cp2):
+    reference = reference_cp2 if layout else reference_cp1
+    run_dir = tmp_path / "run"
+    killed_at = _kill_during_training(run_dir, 10, *layout)
+    assert killed_at > 8, "killed past the step-8 checkpoint"
+    _train(run_dir, *layout, "trainer.resume=auto")
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) > 24, "the killed run's lines are kept, not truncated"
+    (marker,) = [json.loads(line)["resumed"] for line in lines if '"resumed"' in line]
+    assert marker["from_step"] in (8, 16) and marker["from_step"] <= killed_at
+    assert _curve(read_metrics(run_dir)) == _curve(read_metrics(reference))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 24
+
+
+@pytest.mark.distributed
+def test_a_cp2_checkpoint_resumes_at_cp1_within_the_parity_tolerance(
+    tmp_path, reference_cp1, reference_cp2
+):
+    resumed = tmp_path / "resumed"
+    _train(resumed, f"trainer.resume={reference_cp2 / 'checkpoints' / 'step_00000008'}")
+    result = compare(load_run(resumed), load_run(reference_cp1), RTOL)
+    assert result.passed, [(d.metric, d.max_rel) for d in result.diffs]
+    assert result.steps_compared == 24
+    cp2_head = read_metrics(reference_cp2)[:8]
+    assert _curve(read_metrics(resumed)[:8]) == _curve(cp2_head), "the curve before the resume"
+
+
+@pytest.mark.distributed
+@pytest.mark.stack_independent
+def test_sigterm_checkpoints_at_the_step_boundary_and_tp_resumes_both_ways(tmp_path, reference_cp1):
+    """cp1 -> tp2 (each rank slices its shard), SIGTERM at tp2 (the ranks join their shards into
+    the checkpoint), tp2 -> cp1: the curve stays within the tolerance of the uninterrupted one."""
+    run_dir = tmp_path / "run"
+    start = reference_cp1 / "checkpoints" / "step_00000008"
+    job = start_train_cli([*RUN, "parallel.tp=2", f"trainer.resume={start}"], run_dir)
+    try:
+        wait_for_steps(job, run_dir, 10)
+        job.send_signal(signal.SIGTERM)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr
+    newest = ckpt.complete_checkpoints(run_dir / "checkpoints")[-1]
+    stopped_at = len(read_metrics(run_dir))
+    assert newest[0] == stopped_at, "the checkpoint is of the last step taken"
+    assert 8 < stopped_at < 24
+    assert f"newest checkpoint {newest[1]}; continue with trainer.resume=auto" in stderr
+    assert ckpt.read_manifest(newest[1])["layout"] == {"tp": 2, "cp": 1, "dp": 1}
+    _train(run_dir, "trainer.resume=auto")
+    result = compare(load_run(run_dir), load_run(reference_cp1), RTOL)
+    assert result.passed, [(d.metric, d.max_rel) for d in result.diffs]
+    assert result.steps_compared == 24
+
+
+@pytest.mark.distributed
+def test_negative_control_a_wrong_data_position_fails_the_same_comparison(tmp_path, reference_cp1):
+    """The within-tolerance checks above prove something only if a resume that restores the
+    wrong state fails them: here the data stream restarts from the top."""
+    bad = tmp_path / "bad_checkpoint"
+    shutil.copytree(reference_cp1 / "checkpoints" / "step_00000008", bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["data"] = {"epoch": 0, "position": 0}
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    resumed = tmp_path / "resumed"
+    _train(resumed, f"trainer.resume={bad}")
+    result = compare(load_run(resumed), load_run(reference_cp1), RTOL)
+    assert result.passed is False
+    assert max(d.max_rel for d in result.diffs if d.metric == "lm_loss") > 100 * RTOL
+
+
+@pytest.mark.stack_independent
+def test_resume_refuses_another_model_and_names_what_differs(tmp_path, reference_cp1):
+    done = run_train_cli(
+        [*RUN, f"trainer.resume={reference_cp1}", "model.hidden_size=64"]
+        + [f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2
+    assert "written by a different model or data stream: model.hidden_size: 32 -> 64" in (
+        done.stderr
+    )
+    assert not (tmp_path / "run" / "metrics.jsonl").exists(), "refused before training"
+
+
+@pytest.mark.stack_independent
+def test_sigusr1_checkpoints_and_requeues_the_slurm_job(tmp_path):
+    """SLURM's warning before a time limit (sbatch --signal=USR1@90): checkpoint, ask SLURM to
+    run the job again, exit 128 + 10."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol_calls"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    run_dir = tmp_path / "run"
+    job = start_train_cli(
+        ["trainer.max_steps=2000", "trainer.requeue=true"],
+        run_dir,
+        env_extra={"SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+    )
+    try:
+        wait_for_steps(job, run_dir, 3)
+        job.send_signal(signal.SIGUSR1)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 138, stderr[-3000:]
+    assert "stopped by SIGUSR1 after step" in stderr and "requeued SLURM job 4242" in stderr
+    assert calls.read_text().split() == ["requeue", "4242"]
+    assert ckpt.complete_checkpoints(run_dir / "checkpoints")[-1][0] == len(read_metrics(run_dir))
+
+
+@pytest.mark.stack_independent
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE stands in for a full disk")
+def test_a_checkpoint_that_cannot_be_written_names_the_path_and_keeps_no_half(tmp_path):
+    """A full disk gave an ENOSPC traceback without a path. RLIMIT_FSIZE makes every file larger
+    than 64 KiB fail to grow (EFBIG), as a full disk would: the checkpoint's tensors do not fit,
+    the config and metrics do."""
+    import resource
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write instead of the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    run_dir = tmp_path / "run"
+    job = start_train_cli(["trainer.checkpoint_every=2"], run_dir, preexec_fn=small_files)
+    _, stderr = job.communicate(timeout=300)
+    assert job.returncode == 1, stderr[-3000:]
+    partial = run_dir / "checkpoints" / "step_00000002.partial"
+    assert f"could not write checkpoint {partial}: " in stderr
+    assert "File too large" in stderr
+    assert ckpt.complete_checkpoints(run_dir / "checkpoints") == []
+    assert ckpt.resolve_resume("auto", run_dir) is None
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+
+
+# --- the pieces -------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    dim_seed=st.integers(0, 2),
+    tp=st.sampled_from([1, 2, 4]),
+)
+def test_tp_shards_rejoin_to_the_full_tensor(shape, dim_seed, tp):
+    dim = dim_seed % len(shape)
+    shape[dim] *= tp
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    shards = [ckpt.tp_shard(full, dim, rank, tp) for rank in range(tp)]
+    assert torch.equal(torch.cat(shards, dim=dim), full)
+    # megatron's own rule for a shard: rows [rank * n / tp, (rank + 1) * n / tp) of that dim
+    size = shape[dim] // tp
+    for rank, shard in enumerate(shards):
+        index = torch.arange(rank * size, (rank + 1) * size)
+        assert torch.equal(shard, full.index_select(dim, index))
+
+
+def test_a_dimension_that_does_not_split_is_an_error():
+    with pytest.raises(ValueError, match="does not split into 2"):
+        ckpt.tp_shard(torch.zeros(3, 4), 0, 0, 2)
+
+
+def _fake_checkpoint(directory: Path, step: int, complete: bool = True) -> Path:
+    path = directory / ckpt.checkpoint_name(step)
+    if not complete:
+        path = path.with_name(path.name + ckpt.PARTIAL_SUFFIX)
+    path.mkdir(parents=True)
+    if complete:
+        (path / ckpt.MANIFEST_FILE).write_text(json.dumps({"format": 1, "step": step}))
+    return path
+
+
+def test_resume_finds_the_newest_complete_checkpoint_and_never_a_partial(tmp_path):
+    run = tmp_path / "run"
+    assert ckpt.resolve_resume(None, run) is None
+    assert ckpt.resolve_resume("auto", run) is None, "auto starts fresh in a new directory"
+    checkpoints = run / "checkpoints"
+    _fake_checkpoint(checkpoints, 8)
+    newest = _fake_checkpoint(checkpoints, 16)
+    partial = _fake_checkpoint(checkpoints, 24, complete=False)
+    (checkpoints / "step_00000030").mkdir()  # renamed but no manifest: not complete
+    assert ckpt.resolve_resume("auto", run) == newest
+    assert ckpt.resolve_resume(str(run), None) == newest
+    assert ckpt.resolve_resume(str(checkpoints), None) == newest
+    assert ckpt.resolve_resume(str(checkpoints / "step_00000008"), None).name == "step_00000008"
+    with pytest.raises(ConfigError, match="never completed"):
+        ckpt.resolve_resume(str(partial), None)
+    with pytest.raises(ConfigError, match="does not exist"):
+        ckpt.resolve_resume(str(tmp_path / "nowhere"), None)
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        ckpt.resolve_resume(str(tmp_path), None)
+
+
+def test_pruning_keeps_the_newest_and_removes_partials(tmp_path):
+    for step in (4, 8, 12, 16):
+        _fake_checkpoint(tmp_path, step)
+    _fake_checkpoint(tmp_path, 20, complete=False)
+    ckpt.prune_checkpoints(tmp_path, keep=2)
+    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [12, 16]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000012", "step_00000016"]
+
+
+def test_a_changed_optimizer_is_reported_a_changed_model_refused():
+    cfg = typed_config()
+    manifest = {"path": "ck", "config": ckpt.config_fingerprint(cfg)}
+    assert ckpt.resume_differences(manifest, cfg) == []
+    assert ckpt.resume_differences(manifest, typed_config(["optim.lr=0.5", "cp=2"])) == [
+        f"optim.lr: {cfg.optim.lr!r} -> 0.5"
+    ], "the layout may change silently, the optimizer is reported"
+    with pytest.raises(ConfigError, match=f"data.seed: {cfg.data.seed} -> 7"):
+        ckpt.resume_differences(manifest, typed_config(["data.seed=7"]))
+
+
+def test_a_resume_marker_supersedes_the_steps_past_the_checkpoint():
+    rows = [{"step": s, "v": s} for s in (1, 2, 3, 4, 5)]
+    marker = {"resumed": {"from_step": 3}}
+    resumed = [{"step": s, "v": -s} for s in (4, 5, 6)]
+    assert effective_records(rows + [marker] + resumed) == rows[:3] + resumed
+    assert effective_records(rows + [{"resumed": {"from_step": 0}}] + resumed[:1]) == resumed[:1]
+    lines = [json.dumps(r) for r in rows] + ['{"step": 6, "v"', json.dumps(marker)]
+    records, cut = parse_metrics_lines(lines + [json.dumps(r) for r in resumed])
+    assert cut == [6] and records == rows[:3] + resumed
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        parse_metrics_lines([lines[0], "{oops", lines[1]])
+
+
+def test_a_failed_metrics_write_leaves_only_whole_lines_and_names_the_file(tmp_path, monkeypatch):
+    import errno
+
+    from recipe.training import loggers
+
+    logger = RunLogger(typed_config(), tmp_path, total_steps=3)
+    logger.log_step({"step": 1, "loss": 1.0})
+    real_write = os.write
+
+    def disk_full_half_way(fd, data):
+        real_write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loggers.os, "write", disk_full_half_way)
+    with pytest.raises(OutputWriteError) as err:
+        logger.log_step({"step": 2, "loss": 2.0})
+    monkeypatch.setattr(loggers.os, "write", real_write)
+    logger.close()
+    assert f"could not write {tmp_path / 'metrics.jsonl'}: No space left on device" in str(
+        err.value
+    )
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+
+
+def test_a_resumed_run_in_a_new_directory_gets_the_whole_curve(tmp_path):
+    history = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}]
+    logger = RunLogger(typed_config(), tmp_path, total_steps=4, first_step=2)
+    logger.log_resume(2, history, Path("elsewhere/step_00000002"), [])
+    logger.log_step({"step": 3, "loss": 1.0})
+    logger.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
