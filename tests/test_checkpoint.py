@@ -145,7 +145,7 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_tp_resumes_both_ways(tmp_p
     assert result.steps_compared == 24
 
 
-@pytest.mark.distributed
+@pytest.mark.stack_independent
 def test_negative_control_a_wrong_data_position_fails_the_same_comparison(tmp_path, reference_cp1):
     """The within-tolerance checks above prove something only if a resume that restores the
     wrong state fails them: here the data stream restarts from the top."""
