@@ -229,15 +229,28 @@ class CPConfig:
     size: int = 1
     """Context-parallel ranks; each holds 2 zigzag chunks of every sequence."""
     preprocess: str = "index"
-    """index (one zigzag index for every tensor) | verl_fixed | verl_legacy (pre-PR-6267 bug)."""
+    """index (one zigzag index for every tensor) | verl_fixed | verl_legacy (pre-PR-6267 bug) |
+    package.module:function (your own; the contract is in recipe/parallel/cp/contract.py)."""
+    check_steps: int = 1
+    """With your own preprocess function: check it against the index path on every micro-batch
+    of the first this many steps, and stop at the first difference (0: do not check)."""
     comm_type: str = "p2p"
     """Transformer Engine's CP attention exchange: p2p (ring; THD in every TE 2.x) | a2a (TE >=
     2.10; heads and query groups divisible by cp) | all_gather (TE >= 2.15). The torch backend
     always all-gathers K/V."""
 
     def __post_init__(self) -> None:
-        _one_of("cp.preprocess", self.preprocess, CP_PREPROCESS)
+        if ":" in self.preprocess:
+            from recipe.parallel.cp.contract import load_function
+
+            try:
+                load_function(self.preprocess)
+            except ValueError as err:
+                raise ConfigError(f"cp.preprocess={self.preprocess}: {err}") from None
+        else:
+            _one_of("cp.preprocess", self.preprocess, CP_PREPROCESS)
         _one_of("cp.comm_type", self.comm_type, CP_COMM_TYPES)
+        _require(self.check_steps >= 0, f"cp.check_steps must be >= 0, got {self.check_steps}")
 
 
 @dataclass

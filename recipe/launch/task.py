@@ -16,6 +16,7 @@ from recipe.launch.environment import adopt_environment
 from recipe.launch.local import RanksFailed, RanksStopped, check_launchable, launch_world
 from recipe.launch.rundir import claim_run_directory
 from recipe.log import get_logger, quiet_libraries
+from recipe.parallel.cp.shard import PreprocessMismatch
 from recipe.training.checkpoint import (
     CheckpointWriteError,
     read_manifest,
@@ -82,7 +83,14 @@ def run(cfg: DictConfig):
     except Preempted as err:
         log.error(f"{err}; continue with trainer.resume=auto hydra.run.dir={typed.output_dir}")
         raise SystemExit(err.exit_code) from None
-    except (ConfigError, RanksFailed, NonFiniteStep, OutputWriteError, CheckpointWriteError) as err:
+    except (
+        ConfigError,
+        RanksFailed,
+        NonFiniteStep,
+        OutputWriteError,
+        CheckpointWriteError,
+        PreprocessMismatch,
+    ) as err:
         if multirun:
             raise  # Hydra marks the job failed; the sweep's parity report lists it
         prefix = "config error: " if isinstance(err, ConfigError) else ""

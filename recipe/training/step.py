@@ -65,8 +65,10 @@ def plan_step(
     layout: ParallelLayout,
     pad_id: int,
     device: torch.device,
+    check_preprocess: bool = False,
 ) -> StepWork:
-    """Split a step across DP ranks, into micro-batches, and shard each for this CP rank."""
+    """Split a step across DP ranks, into micro-batches, and shard each for this CP rank
+    (checking a user's cp.preprocess function on them when `check_preprocess`)."""
     lengths = [len(s) for s in sequences]
     alignment = cfg.alignment
     per_rank = split_across_ranks(lengths, layout.dp_size, alignment)
@@ -87,7 +89,12 @@ def plan_step(
             )
             batch = batch.replace(mtp_mask=masks)
         local = shard_batch(
-            batch, layout.cp_size, layout.cp_rank, cfg.cp.preprocess, tp_size=layout.tp_size
+            batch,
+            layout.cp_size,
+            layout.cp_rank,
+            cfg.cp.preprocess,
+            tp_size=layout.tp_size,
+            check=check_preprocess,
         )
         micro_batches.append(local.to(device))
     return StepWork(

@@ -107,9 +107,14 @@ class Trainer:
         """metrics.jsonl records of the steps taken."""
         self.checkpoint_dir = Path(cfg.output_dir) / CHECKPOINTS_DIR if cfg.output_dir else None
 
-    def _plan(self, sequences: list[list[int]]) -> StepWork:
+    def _plan(self, sequences: list[list[int]], check_preprocess: bool = False) -> StepWork:
         return plan_step(
-            sequences, self.cfg, self.layout, self.corpus.tokenizer.pad_id, self.device
+            sequences,
+            self.cfg,
+            self.layout,
+            self.corpus.tokenizer.pad_id,
+            self.device,
+            check_preprocess,
         )
 
     def train(self) -> dict:
@@ -148,7 +153,7 @@ class Trainer:
         """One optimizer step on the next step of data (and an eval when one is due)."""
         step_start = time.perf_counter()
         self.step += 1
-        work = self._plan(next(self.steps))
+        work = self._plan(next(self.steps), self.step <= self.cfg.cp.check_steps)
         lr = lr_at(self.step - 1, self.cfg)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)

@@ -10,26 +10,56 @@ difference between them can only come from the positions.
 from __future__ import annotations
 
 from recipe.data.packing import PackedBatch
-from recipe.parallel.cp.verl import verl_preprocess
+from recipe.parallel.cp import contract
+from recipe.parallel.cp.verl import VERL_VARIANTS, verl_preprocess
 from recipe.parallel.cp.zigzag import shard_tensors, zigzag_index
 
 
+class PreprocessMismatch(RuntimeError):
+    """A user's cp.preprocess function differs from the index path on a training micro-batch."""
+
+
 def shard_batch(
-    batch: PackedBatch, cp_size: int, cp_rank: int, method: str = "index", tp_size: int = 1
+    batch: PackedBatch,
+    cp_size: int,
+    cp_rank: int,
+    method: str = "index",
+    tp_size: int = 1,
+    check: bool = False,
 ) -> PackedBatch:
-    """This rank's part of a global batch; cu_seqlens stay global, as megatron expects."""
+    """This rank's part of a global batch; cu_seqlens stay global, as megatron expects.
+
+    `method` may be a user's `package.module:function` (contract.py); its outputs replace the
+    index path's for the fields it returns. With `check`, it is first run on every rank of this
+    micro-batch and compared with the ground truth.
+    """
     if cp_size == 1:
         return batch
     index = zigzag_index(batch.cu_seqlens_padded, cp_size, cp_rank)
     tensors = batch.per_token()
     token_dims = {k: d for k, d in PackedBatch.TOKEN_DIMS.items() if k in tensors}
     local = shard_tensors(tensors, index, token_dims=token_dims)
-    if method != "index":
-        starts = batch.cu_seqlens_padded[:-1].tolist()
-        lengths = batch.cu_seqlens.diff().tolist()
-        sequences = [batch.input_ids[s : s + n] for s, n in zip(starts, lengths)]
+    if method == "index":
+        return batch.replace(**local)
+    starts = batch.cu_seqlens_padded[:-1].tolist()
+    lengths = batch.cu_seqlens.diff().tolist()
+    sequences = [batch.input_ids[s : s + n] for s, n in zip(starts, lengths)]
+    if method in VERL_VARIANTS:
         input_ids, position_ids = verl_preprocess(
             sequences, batch.cu_seqlens_padded, cp_size, cp_rank, variant=method, tp_size=tp_size
         )
         local["input_ids"], local["position_ids"] = input_ids, position_ids
+        return batch.replace(**local)
+    fn = contract.load_function(method)
+    if check:
+        mismatch = contract.check_batch(fn, batch, cp_size, tp_size)
+        if mismatch is not None:
+            raise PreprocessMismatch(
+                f"cp.preprocess={method} differs from the index path on a training micro-batch: "
+                f"{mismatch.describe()}. `python -m recipe.check_preprocess {method}` finds a "
+                "minimal case; cp.check_steps=0 skips this check"
+            )
+    out = contract.call(fn, sequences, batch.cu_seqlens_padded, cp_size, cp_rank, tp_size)
+    for name, value in out.items():
+        local[name] = value.to(local[name].dtype)
     return batch.replace(**local)

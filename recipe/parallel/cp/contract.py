@@ -1,0 +1,203 @@
+"""The contract of a CP preprocessing function, its ground truth, and a check of anyone's function.
+
+A preprocessing function turns the sequences of one packed micro-batch into one CP rank's
+per-token tensors:
+
+    fn(sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size=1)
+        -> (input_ids, position_ids)  or  {"input_ids": ..., "position_ids": ..., "labels": ...,
+                                           "loss_mask": ...}   (any of these keys)
+
+- `sequences`: one 1-D int64 tensor per sequence, its real tokens (no padding);
+- `cu_seqlens_padded`: int32 [n+1], each sequence padded to a multiple of 2 * cp_size * tp_size;
+- the result holds this rank's cu_seqlens_padded[-1] / cp_size local slots, in zigzag order:
+  chunks r and 2*cp-1-r of every sequence, each sequence's slots at cu_seqlens_padded[i] / cp.
+
+The ground truth is the global packed stream (tokens, positions 0.. per sequence, labels = the next
+token of the same sequence, loss_mask = 1 where such a label exists) selected with the zigzag index
+(`zigzag.zigzag_index`, checked against verl's own function). input_ids and position_ids are
+compared on real tokens (what a function writes into padding is its own business), labels where
+the loss mask is 1, loss_mask on every slot (padding counted as real is a bug).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from recipe.data.packing import PackedBatch, pack_sequences
+from recipe.parallel.cp.zigzag import zigzag_index
+
+FIELDS = ("input_ids", "position_ids", "labels", "loss_mask")
+BUILT_IN = ("index", "verl_fixed", "verl_legacy")
+PAD_ID = 0
+
+
+class ContractError(ValueError):
+    """A preprocessing function's output has the wrong shape or type for the contract."""
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first slot where a function's output differs from the ground truth."""
+
+    lengths: tuple[int, ...]
+    cp_size: int
+    tp_size: int
+    cp_rank: int
+    field: str
+    slot: int
+    sequence: int
+    position: int
+    chunk: int
+    expected: float
+    got: float
+
+    def describe(self) -> str:
+        half = "front" if self.chunk < self.cp_size else "back"
+        return (
+            f"lengths={list(self.lengths)} cp={self.cp_size} tp={self.tp_size}: rank "
+            f"{self.cp_rank}, local slot {self.slot} (sequence {self.sequence}, position "
+            f"{self.position}, chunk {self.chunk} = {half}): {self.field} expected "
+            f"{_number(self.expected)}, got {_number(self.got)}"
+        )
+
+
+def _number(value: float):
+    return int(value) if float(value).is_integer() else value
+
+
+def load_function(spec: str) -> Callable:
+    """A built-in name (index, verl_fixed, verl_legacy) or `package.module:function`."""
+    if spec in BUILT_IN:
+        return built_in(spec)
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"{spec!r} is neither a built-in ({', '.join(BUILT_IN)}) nor package.module:function"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import {module_name} for {spec}: {err}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{module_name} has no function {attr} (from {spec})")
+    return fn
+
+
+def built_in(name: str) -> Callable:
+    """The recipe's own preprocessing variants with the contract's interface."""
+    from recipe.parallel.cp.verl import verl_preprocess
+
+    if name == "index":
+        return index_preprocess
+    return lambda sequences, cu, cp_size, cp_rank, tp_size=1: verl_preprocess(
+        sequences, cu, cp_size, cp_rank, variant=name, tp_size=tp_size
+    )
+
+
+def index_preprocess(sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size=1) -> dict:
+    """The recipe's own path as a contract function: one zigzag index over the packed stream."""
+    batch = global_batch([s.tolist() for s in sequences], cp_size, tp_size)
+    index = zigzag_index(batch.cu_seqlens_padded, cp_size, cp_rank)
+    return {name: getattr(batch, name).index_select(0, index) for name in FIELDS}
+
+
+def global_batch(sequences: list[list[int]], cp_size: int, tp_size: int) -> PackedBatch:
+    return pack_sequences(sequences, 2 * cp_size * tp_size, PAD_ID)
+
+
+def call(fn: Callable, sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size) -> dict:
+    """Call `fn` per the contract and return its output as {field: tensor}."""
+    kwargs = {"tp_size": tp_size} if _takes_tp_size(fn) else {}
+    out = fn([torch.as_tensor(s) for s in sequences], cu_seqlens_padded, cp_size, cp_rank, **kwargs)
+    if isinstance(out, tuple):
+        if len(out) != 2:
+            raise ContractError(
+                f"returned a tuple of {len(out)}; the contract is (input_ids, "
+                "position_ids) or a dict"
+            )
+        out = {"input_ids": out[0], "position_ids": out[1]}
+    if not isinstance(out, dict) or not out or set(out) - set(FIELDS):
+        raise ContractError(
+            f"returned {type(out).__name__} {sorted(out) if isinstance(out, dict) else ''}; the "
+            f"contract is (input_ids, position_ids) or a dict with keys among {', '.join(FIELDS)}"
+        )
+    expected = int(cu_seqlens_padded[-1]) // cp_size
+    for name, value in out.items():
+        if not isinstance(value, Tensor) or value.dim() != 1 or value.numel() != expected:
+            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ContractError(
+                f"{name} has shape {shape}; this rank holds {expected} slots "
+                f"(cu_seqlens_padded[-1] / cp_size)"
+            )
+    return out
+
+
+def _takes_tp_size(fn: Callable) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return "tp_size" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def first_mismatch(
+    fn: Callable, lengths: list[int], cp_size: int, tp_size: int = 1
+) -> Mismatch | None:
+    """Run `fn` on every rank of one micro-batch of sequences with these lengths; the first slot
+    that differs from the ground truth, or None. Token ids are unique per slot, so a token in the
+    wrong place cannot match by accident."""
+    stride = max(lengths) + 1
+    sequences = [[1 + stride * i + j for j in range(n)] for i, n in enumerate(lengths)]
+    batch = global_batch(sequences, cp_size, tp_size)
+    cu = batch.cu_seqlens_padded
+    real = batch.position_ids < torch.repeat_interleave(
+        torch.tensor(lengths), cu.diff().to(torch.int64)
+    )
+    seq_of_slot = torch.repeat_interleave(torch.arange(len(lengths)), cu.diff().to(torch.int64))
+    for rank in range(cp_size):
+        index = zigzag_index(cu, cp_size, rank)
+        got = call(fn, sequences, cu, cp_size, rank, tp_size)
+        checked = {
+            "input_ids": real[index],
+            "position_ids": real[index],
+            "labels": batch.loss_mask[index] > 0,
+            "loss_mask": torch.ones(index.numel(), dtype=torch.bool),
+        }
+        for name in FIELDS:
+            if name not in got:
+                continue
+            want = getattr(batch, name).index_select(0, index).double()
+            have = got[name].double().cpu()
+            wrong = checked[name] & (want != have)
+            if bool(wrong.any()):
+                slot = int(wrong.nonzero()[0])
+                g = int(index[slot])
+                seq = int(seq_of_slot[g])
+                position = g - int(cu[seq])
+                chunk = position // (int(cu[seq + 1] - cu[seq]) // (2 * cp_size))
+                return Mismatch(
+                    tuple(lengths),
+                    cp_size,
+                    tp_size,
+                    rank,
+                    name,
+                    slot,
+                    seq,
+                    position,
+                    chunk,
+                    float(want[slot]),
+                    float(have[slot]),
+                )
+    return None
+
+
+def check_batch(fn: Callable, batch: PackedBatch, cp_size: int, tp_size: int) -> Mismatch | None:
+    """`first_mismatch` on the lengths of a real micro-batch (for a training run's first steps)."""
+    return first_mismatch(fn, batch.cu_seqlens.diff().tolist(), cp_size, tp_size)

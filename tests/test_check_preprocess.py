@@ -1,0 +1,120 @@
+"""The checker for anyone's CP preprocessing: passes the right functions, and shrinks each wrong
+one (verl's pre-fix formula and four bugs of our own) to a minimal case that really fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recipe.check_preprocess import check, main
+from recipe.parallel.cp import contract
+from recipe.parallel.cp.shard import PreprocessMismatch
+from recipe.parallel.layout import ParallelDims
+from recipe.training.step import plan_step
+from tests.helpers.config import typed_config
+
+FAULTY = "tests.helpers.faulty_preprocess"
+
+
+@pytest.mark.parametrize("name", ["index", "verl_fixed"])
+def test_the_right_functions_pass(name, capsys):
+    assert main([name, "--cases", "150"]) == 0
+    assert f"PASS {name}: 150 cases on every rank" in capsys.readouterr().out
+
+
+def _minimal(spec: str) -> contract.Mismatch:
+    mismatch, ran = check(contract.load_function(spec), cases=400)
+    assert mismatch is not None, f"{spec} passed {ran} cases"
+    again = contract.first_mismatch(
+        contract.load_function(spec), list(mismatch.lengths), mismatch.cp_size, mismatch.tp_size
+    )
+    assert again == mismatch, "the printed case fails when run on its own"
+    return mismatch
+
+
+def test_verl_legacy_shrinks_to_the_pr_6267_bug(capsys):
+    mismatch = _minimal("verl_legacy")
+    assert mismatch.field == "position_ids"
+    assert mismatch.chunk >= mismatch.cp_size, "a back-chunk position"
+    assert mismatch.cp_rank > 0, "rank 0's back chunk is right when unpadded: the bug is elsewhere"
+    assert len(mismatch.lengths) == 1 and mismatch.cp_size == 2, "shrunk to one short sequence"
+    assert main(["verl_legacy", "--cases", "400"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL verl_legacy (minimal case" in out and mismatch.describe() in out
+
+
+@pytest.mark.parametrize(
+    "name, field",
+    [
+        ("local_label_roll", "labels"),
+        ("swapped_chunks_on_last_rank", "input_ids"),
+        ("padding_counted_as_real", "loss_mask"),
+        ("off_by_one_back_positions", "position_ids"),
+    ],
+)
+def test_each_faulty_function_fails_with_a_minimal_case(name, field):
+    mismatch = _minimal(f"{FAULTY}:{name}")
+    assert mismatch.field == field
+    assert len(mismatch.lengths) == 1, mismatch.describe()
+    if name == "swapped_chunks_on_last_rank":
+        assert mismatch.cp_rank == mismatch.cp_size - 1
+    if name == "padding_counted_as_real":
+        assert mismatch.position >= mismatch.lengths[mismatch.sequence], "a padding slot"
+
+
+def test_a_contract_breach_and_a_bad_name_are_reported(capsys):
+    assert main([f"{FAULTY}:wrong_length", "--cases", "5"]) == 1
+    assert "breaks the contract: input_ids has shape" in capsys.readouterr().out
+    for spec, message in [
+        ("no_such_module:fn", "cannot import no_such_module"),
+        (f"{FAULTY}:missing", "has no function missing"),
+        ("verl", "neither a built-in"),
+    ]:
+        assert main([spec]) == 2
+        assert message in capsys.readouterr().err
+
+
+def _plans(preprocess: str, check: bool):
+    cfg = typed_config(["cp=2", f"cp.preprocess={preprocess}"])
+    sequences = [[5 + (7 * i + j) % 200 for j in range(n)] for i, n in enumerate([37, 3, 120])]
+    dims = ParallelDims(cp=2)
+    return [
+        plan_step(sequences, cfg, dims.layout_of(rank), 0, torch.device("cpu"), check)
+        for rank in range(2)
+    ]
+
+
+def test_a_training_run_uses_a_user_function_and_checks_it_first():
+    user = _plans("recipe.parallel.cp.contract:index_preprocess", check=True)
+    built_in = _plans("index", check=False)
+    for mine, ref in zip(user, built_in):
+        for a, b in zip(mine.micro_batches, ref.micro_batches):
+            for name in contract.FIELDS:
+                assert torch.equal(getattr(a, name), getattr(b, name)), name
+    with pytest.raises(PreprocessMismatch, match="position_ids expected"):
+        _plans(f"{FAULTY}:off_by_one_back_positions", check=True)
+    unchecked = _plans(f"{FAULTY}:off_by_one_back_positions", check=False)
+    shifted = unchecked[1].micro_batches[0].position_ids
+    assert not torch.equal(shifted, built_in[1].micro_batches[0].position_ids), "used as given"
+
+
+def test_a_bad_user_function_is_a_config_error():
+    from recipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cp.preprocess=nowhere:fn: cannot import nowhere"):
+        typed_config(["cp.preprocess=nowhere:fn"])
+
+
+@pytest.mark.distributed
+@pytest.mark.stack_independent
+def test_a_faulty_user_function_stops_the_run_at_the_first_step(tmp_path):
+    from tests.helpers.cli import run_train_cli
+
+    done = run_train_cli(
+        ["cp=2", f"cp.preprocess={FAULTY}:off_by_one_back_positions"]
+        + [f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1
+    assert "differs from the index path on a training micro-batch" in done.stderr
+    assert "python -m recipe.check_preprocess" in done.stderr
