@@ -386,6 +386,9 @@ class TrainerConfig:
     resume: str | None = None
     """null: start fresh | auto: continue from this run directory's newest checkpoint (or start
     fresh when it has none) | PATH: a checkpoint, or a run directory, to continue from."""
+    record_tokens: list[int] = field(default_factory=list)
+    """Steps whose every predicted token's loss is written, with its sample, position, dp/cp rank
+    and zigzag chunk, to <run dir>/tokens/step_N.npz (e.g. [1,10]); see --per-token."""
     requeue: bool = False
     """After the checkpoint that SIGTERM/SIGUSR1 triggers, requeue the SLURM job (scontrol)."""
 
@@ -406,6 +409,11 @@ class TrainerConfig:
             f"trainer.checkpoint_every must be >= 0 (0: none), got {self.checkpoint_every}",
         )
         _positive("trainer.checkpoint_keep", self.checkpoint_keep)
+        _require(
+            all(isinstance(s, int) and 1 <= s <= self.max_steps for s in self.record_tokens),
+            f"trainer.record_tokens must list steps between 1 and trainer.max_steps="
+            f"{self.max_steps}, got {list(self.record_tokens)}",
+        )
         _require(
             self.resume is None or (isinstance(self.resume, str) and self.resume.strip()),
             f"trainer.resume must be null, auto or a path, got {self.resume!r}",

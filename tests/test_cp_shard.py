@@ -13,6 +13,7 @@ from recipe.data.thd import cu_seqlens_from_lengths, padded_lengths
 from recipe.parallel.cp.verl import VERL_VARIANTS, verl_preprocess, verl_shard_values
 from recipe.parallel.cp.zigzag import (
     index_preprocess,
+    local_token_identity,
     real_token_mask,
     shard_tensors,
     unshard,
@@ -414,3 +415,34 @@ def test_cu_seqlens_from_lengths_is_int32_with_leading_zero():
     assert cu.dtype == torch.int32
     assert cu.tolist() == [0, 3, 8, 10]
     assert cu_seqlens_from_lengths(torch.tensor([], dtype=torch.int64)).tolist() == [0]
+
+
+def _identity_by_loops(batch: Packed, rank: int) -> tuple[list[int], list[int], list[int]]:
+    """(sequence, position, chunk) of each of `rank`'s local slots, slot by slot: the front
+    chunk `rank`, then the back chunk 2cp-1-rank, of each sequence in order."""
+    sequences, positions, chunks = [], [], []
+    for i, p in enumerate(batch.padded):
+        chunk = p // (2 * batch.cp)
+        for c in (rank, 2 * batch.cp - 1 - rank):
+            for offset in range(chunk):
+                sequences.append(i)
+                positions.append(c * chunk + offset)
+                chunks.append(c)
+    return sequences, positions, chunks
+
+
+@PROPERTY
+@given(packed_batches())
+def test_local_token_identity_names_each_slots_sequence_position_and_chunk(batch: Packed):
+    for rank in range(batch.cp):
+        sequence, position, chunk = local_token_identity(batch.cu_seqlens_padded, batch.cp, rank)
+        assert (sequence.tolist(), position.tolist(), chunk.tolist()) == _identity_by_loops(
+            batch, rank
+        )
+
+
+def test_local_token_identity_at_cp1_is_the_plain_stream():
+    sequence, position, chunk = local_token_identity(torch.tensor([0, 3, 5]), 1, 0)
+    assert sequence.tolist() == [0, 0, 0, 1, 1]
+    assert position.tolist() == [0, 1, 2, 0, 1]
+    assert chunk.tolist() == [0, 0, 0, 0, 0]

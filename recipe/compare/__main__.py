@@ -1,11 +1,13 @@
 """Compare training runs step by step and gate on the result.
 
     python -m recipe.compare RUN_DIR... [--baseline RUN_DIR] [--rtol X] [--plot FILE]
+                             [--per-token [--token-atol X]]
 
 RUN_DIR is a run directory (it holds metrics.jsonl) or a sweep directory (its runs are used).
 Without --baseline each run is compared with the cp=1 run that has otherwise the same settings.
 Prints the parity table; exits 0 when every compared run passes, 1 when any fails (or nothing
-could be compared), 2 on bad arguments.
+could be compared), 2 on bad arguments. With --per-token, the runs' per-token records
+(trainer.record_tokens) are compared too, token by token, and a token beyond --token-atol fails.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from recipe.compare.diff import all_passed, compare_all
 from recipe.compare.plot import plot_comparisons
 from recipe.compare.report import render_markdown
 from recipe.compare.runs import find_runs, load_run
+from recipe.compare.tokens import compare_token_records, render_token_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--plot", help="write loss curves and differences to this PNG file")
     parser.add_argument("--report", help="also write the table (markdown) to this file")
+    parser.add_argument(
+        "--per-token",
+        action="store_true",
+        help="also compare the per-token records (trainer.record_tokens) token by token",
+    )
+    parser.add_argument(
+        "--token-atol",
+        type=float,
+        default=1e-5,
+        help="largest absolute per-token loss difference (default 1e-5, fp32 on CPU)",
+    )
     args = parser.parse_args(argv)
     try:
         runs = find_runs(args.runs)
@@ -48,6 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         runs = [baseline, *runs]
     comparisons = compare_all(runs, args.rtol, baseline)
     report = render_markdown(comparisons, args.rtol)
+    tokens_passed = True
+    if args.per_token:
+        for c in comparisons:
+            if c.baseline is None:
+                continue
+            tokens = compare_token_records(
+                c.run.path, c.baseline.path, args.token_atol, c.run.cp or 1
+            )
+            report += "\n\n" + render_token_report(tokens)
+            tokens_passed = tokens_passed and tokens.passed
     print(report)
     if args.report:
         Path(args.report).write_text(report)
@@ -61,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    return 0 if all_passed(comparisons) else 1
+    return 0 if all_passed(comparisons) and tokens_passed else 1
 
 
 if __name__ == "__main__":

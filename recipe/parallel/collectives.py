@@ -97,3 +97,16 @@ def max_over_ranks(value: int, device: torch.device, group=None) -> int:
 def barrier(group=None) -> None:
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.barrier(group=group)
+
+
+def gather_to_main(obj, group=None) -> list | None:
+    """Every rank's `obj` (any picklable value) on rank 0 of `group`, in rank order; None on the
+    other ranks. For rare, small transfers (per-token records), not for the training path."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    rank = dist.get_rank(group)
+    gathered = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(
+        obj, gathered, dst=dist.get_global_rank(group, 0) if group else 0, group=group
+    )
+    return gathered

@@ -48,6 +48,8 @@ class StepWork:
     """Per MTP layer: tokens it predicts over the whole step (empty with mtp=off)."""
     lengths: list[int]
     """Real length of every sequence of the step (all ranks)."""
+    samples: list[list[int]] | None = None
+    """Per micro-batch of this rank: the step-level index of each of its sequences."""
 
     @property
     def report_names(self) -> list[str]:
@@ -105,6 +107,7 @@ def plan_step(
         global_micro_batches=sum(len(p) for p in plans),
         global_mtp_tokens=global_mtp_token_counts(lengths, mtp_layers),
         lengths=lengths,
+        samples=[[mine[j] for j in micro] for micro in plans[layout.dp_rank]],
     )
 
 

@@ -60,6 +60,8 @@ from recipe.training.throughput import (
     linear_parameter_count,
     model_flops_per_step,
 )
+from recipe.training.tokens import COLUMNS as TOKEN_COLUMNS
+from recipe.training.tokens import token_rows, write_token_records
 
 
 class NonFiniteStep(RuntimeError):
@@ -158,8 +160,11 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         mtp_counts = work.global_mtp_tokens
+        token_rows_of_step = [] if self.step in self.cfg.trainer.record_tokens else None
         with self._collectives_in("the forward/backward pass (CP, TP and MTP exchanges)"):
-            totals = self.forward_backward_step(work)
+            totals = self.forward_backward_step(work, token_rows_of_step)
+        if token_rows_of_step is not None:
+            self._write_token_records(token_rows_of_step)
         params = list(self.model.parameters())
         with self._collectives_in("the gradient all-reduce"):
             collectives.all_reduce_gradients(params, self.grad_group)
@@ -217,12 +222,13 @@ class Trainer:
                 f"(trainer.collective_timeout_s={timeout:g}). gloo: {str(err).splitlines()[0]}"
             ) from None
 
-    def forward_backward_step(self, work: StepWork) -> torch.Tensor:
+    def forward_backward_step(self, work: StepWork, token_rows_out: list | None = None):
         """Forward and backward over this rank's micro-batches; returns the step's report
-        totals on this rank, [name, (sum, count)] in `work.report_names` order, on the device."""
+        totals on this rank, [name, (sum, count)] in `work.report_names` order, on the device.
+        With `token_rows_out`, each micro-batch's per-token records are appended to it."""
         names = work.report_names
         totals = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
-        for batch in work.micro_batches:
+        for index, batch in enumerate(work.micro_batches):
             if work.global_mtp_tokens:
                 prepare_mtp_backward(
                     self.cfg.mtp.scaling,
@@ -236,6 +242,10 @@ class Trainer:
             if work.global_mtp_tokens:
                 confirm_mtp_backward_taken()
             loss_sum, num_tokens, report = loss_func(batch, output)
+            if token_rows_out is not None and self.layout.tp_rank == 0:  # tp ranks agree
+                token_rows_out.append(
+                    token_rows(batch, output.per_token_loss, work.samples[index], self.layout)
+                )
             (loss_sum / work.global_predicted_tokens).backward()
             totals += torch.stack([report[name] for name in names])
         return totals
@@ -273,6 +283,13 @@ class Trainer:
                 f"eval: ranks counted {counted} predicted tokens, expected {expected}"
             )
         return loss_sum / expected
+
+    def _write_token_records(self, rows: list[torch.Tensor]) -> None:
+        mine = torch.cat(rows) if rows else torch.zeros(0, len(TOKEN_COLUMNS), dtype=torch.float64)
+        with self._collectives_in("the per-token record gather"):
+            parts = collectives.gather_to_main(mine)
+        if self.layout.is_main and self.cfg.output_dir:
+            write_token_records(self.cfg.output_dir, self.step, parts)
 
     def _checkpoint_due(self) -> bool:
         every = self.cfg.trainer.checkpoint_every

@@ -190,3 +190,18 @@ def index_preprocess(
     """
     index = zigzag_index(cu_seqlens_padded, cp_size, cp_rank)
     return input_ids.index_select(0, index), position_ids.index_select(0, index)
+
+
+def local_token_identity(
+    cu_seqlens_padded: Tensor, cp_size: int, cp_rank: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """For each of `cp_rank`'s local slots: its sequence, its position in that (padded)
+    sequence, and its zigzag chunk (0 .. 2*cp-1; at cp=1 every slot is chunk 0). Derived from the
+    index, never from position_ids, so it stays right when a preprocessing function is wrong."""
+    index = zigzag_index(cu_seqlens_padded, cp_size, cp_rank)
+    cu = cu_seqlens_padded.to(torch.int64)
+    sequence = torch.searchsorted(cu[1:], index, right=True)
+    position = index - cu[sequence]
+    chunk_len = (cu.diff() // (2 * cp_size)).clamp(min=1) if cp_size > 1 else cu.diff()
+    chunk = position // chunk_len[sequence] if cp_size > 1 else torch.zeros_like(position)
+    return sequence, position, chunk

@@ -1,0 +1,157 @@
+"""Per-token parity: two runs' recorded token losses, joined token by token, and where they differ.
+
+A loss curve averages thousands of tokens: the pre-fix preprocessing moves a step's loss by 3e-4
+relative while the tokens it breaks are off by nats. Records (`trainer.record_tokens`) carry each
+predicted token's global identity (step, sample, position), so runs at any layouts line up; the
+comparison reports the distribution of |difference|, how many tokens exceed the tolerance, and
+where those lie in the run's layout: which cp ranks and zigzag chunks (front / back), which
+samples and position ranges.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from recipe.training.tokens import read_token_records
+
+
+@dataclass
+class TokenDiff:
+    step: int
+    tokens: int
+    max_abs: float
+    p50: float
+    p99: float
+    p999: float
+    flagged: int
+    by_rank_chunk: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    """(cp rank, chunk) -> (flagged, tokens there), in the run's layout."""
+    samples: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """(sample, flagged tokens, first flagged position, last flagged position), most first."""
+    cp_size: int = 1
+
+
+@dataclass
+class TokenComparison:
+    run: Path
+    baseline: Path
+    atol: float
+    steps: list[TokenDiff]
+    problems: list[str]
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems and bool(self.steps) and all(s.flagged == 0 for s in self.steps)
+
+
+def compare_token_records(
+    run: str | Path, baseline: str | Path, atol: float, cp_size: int = 1
+) -> TokenComparison:
+    """Join the two runs' records on (step, sample, position); `cp_size` is the run's, to name
+    chunks front or back."""
+    mine, theirs = read_token_records(run), read_token_records(baseline)
+    problems = []
+    for side, records in (("run", mine), ("baseline", theirs)):
+        if not records:
+            problems.append(
+                f"the {side} {run if side == 'run' else baseline} has no per-token "
+                "records (trainer.record_tokens)"
+            )
+    steps = sorted(set(mine) & set(theirs))
+    if mine and theirs and not steps:
+        problems.append(
+            f"no recorded step in common: run {sorted(mine)}, baseline {sorted(theirs)}"
+        )
+    diffs = []
+    for step in steps:
+        a, b = mine[step], theirs[step]
+        if not (
+            np.array_equal(a["sample"], b["sample"])
+            and np.array_equal(a["position"], b["position"])
+        ):
+            problems.append(
+                f"step {step}: the runs predicted different tokens ({a['sample'].size} vs "
+                f"{b['sample'].size}); their data or batching differ"
+            )
+            continue
+        diffs.append(_diff(step, a, b, atol, cp_size))
+    return TokenComparison(Path(run), Path(baseline), atol, diffs, problems)
+
+
+def _diff(step: int, a: dict, b: dict, atol: float, cp_size: int) -> TokenDiff:
+    delta = np.abs(a["lm_loss"] - b["lm_loss"])
+    flagged = ~(delta <= atol)  # NaN counts as flagged
+    p50, p99, p999 = (float(np.quantile(delta, q)) for q in (0.5, 0.99, 0.999))
+    place = Counter(zip(a["cp_rank"].tolist(), a["chunk"].tolist()))
+    bad_place = Counter(zip(a["cp_rank"][flagged].tolist(), a["chunk"][flagged].tolist()))
+    samples = []
+    for sample in np.unique(a["sample"][flagged]):
+        positions = a["position"][flagged & (a["sample"] == sample)]
+        samples.append(
+            (int(sample), int(positions.size), int(positions.min()), int(positions.max()))
+        )
+    samples.sort(key=lambda s: (-s[1], s[0]))
+    return TokenDiff(
+        step=step,
+        tokens=int(delta.size),
+        max_abs=float(np.nanmax(delta)) if delta.size else 0.0,
+        p50=p50,
+        p99=p99,
+        p999=p999,
+        flagged=int(flagged.sum()),
+        by_rank_chunk={k: (bad_place.get(k, 0), n) for k, n in sorted(place.items())},
+        samples=samples,
+        cp_size=cp_size,
+    )
+
+
+def where(diff: TokenDiff) -> str:
+    """One phrase for where the flagged tokens are: "back chunks only (rank 0 chunk 3, ...)"."""
+    if not diff.flagged:
+        return "nowhere"
+    hit = [(r, c) for (r, c), (bad, _) in diff.by_rank_chunk.items() if bad]
+    if diff.cp_size == 1:
+        return "the whole stream (cp=1: no chunks)"
+    halves = {"back" if c >= diff.cp_size else "front" for _, c in hit}
+    kind = f"{halves.pop()} chunks only" if len(halves) == 1 else "front and back chunks"
+    parts = ", ".join(f"rank {r} chunk {c}" for r, c in hit)
+    return f"{kind} ({parts})"
+
+
+def render_token_report(comparison: TokenComparison) -> str:
+    lines = [
+        f"### Per-token: {comparison.run} vs {comparison.baseline} (atol {comparison.atol:g})",
+        "",
+    ]
+    lines += [f"- {p}" for p in comparison.problems]
+    if comparison.steps:
+        lines += [
+            "| step | tokens | max abs | p50 | p99 | p99.9 | beyond atol | where |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for d in comparison.steps:
+            lines.append(
+                f"| {d.step} | {d.tokens} | {d.max_abs:.3g} | {d.p50:.3g} | {d.p99:.3g} | "
+                f"{d.p999:.3g} | {d.flagged} | {where(d)} |"
+            )
+        first = next((d for d in comparison.steps if d.flagged), None)
+        if first is not None:
+            lines += ["", f"Step {first.step}, by cp rank and chunk (flagged / tokens):", ""]
+            lines += ["| cp rank | chunk | half | flagged | tokens |", "|---|---|---|---|---|"]
+            for (rank, chunk), (bad, n) in first.by_rank_chunk.items():
+                half = (
+                    "-" if first.cp_size == 1 else ("back" if chunk >= first.cp_size else "front")
+                )
+                lines.append(f"| {rank} | {chunk} | {half} | {bad} | {n} |")
+            lines += ["", f"Samples with flagged tokens ({len(first.samples)}; most first):", ""]
+            lines += [
+                f"- sample {s}: {n} tokens, positions {lo}..{hi}"
+                for s, n, lo, hi in first.samples[:8]
+            ]
+    verdict = "PASS" if comparison.passed else "FAIL"
+    lines += ["", f"**{verdict}**"]
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""Per-token records: every predicted token's loss with its global identity and where it lived.
+
+For the steps in `trainer.record_tokens` each rank lists its predicted tokens as (sample, position,
+lm_loss, dp rank, cp rank, chunk): `sample` is the sequence's index within the step (steps hold the
+same whole sequences in the same order at every layout), `position` its place in the sequence,
+derived from the zigzag index, not from position_ids, so the identity stays right when the
+preprocessing is wrong. Rank 0 gathers them, sorts them into global order and writes
+`<run dir>/tokens/step_NNNNNNNN.npz`; two runs' records then line up token for token whatever
+their layouts (`python -m recipe.compare A B --per-token`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from recipe.parallel.cp.zigzag import local_token_identity
+
+TOKENS_DIR = "tokens"
+COLUMNS = ("sample", "position", "lm_loss", "dp_rank", "cp_rank", "chunk")
+_INTEGER = ("sample", "position", "dp_rank", "cp_rank", "chunk")
+
+
+def token_rows(batch, per_token_loss: torch.Tensor, samples: list[int], layout) -> torch.Tensor:
+    """[predicted tokens, len(COLUMNS)] float64 rows of one micro-batch on this rank."""
+    sequence, position, chunk = local_token_identity(
+        batch.cu_seqlens_padded.cpu(), layout.cp_size, layout.cp_rank
+    )
+    predicted = batch.loss_mask.cpu() > 0
+    sample = torch.tensor(samples, dtype=torch.int64)[sequence]
+    n = position.numel()
+    rows = torch.stack(
+        [
+            sample.double(),
+            position.double(),
+            per_token_loss.detach().double().cpu(),
+            torch.full((n,), float(layout.dp_rank), dtype=torch.float64),
+            torch.full((n,), float(layout.cp_rank), dtype=torch.float64),
+            chunk.double(),
+        ],
+        dim=1,
+    )
+    return rows[predicted]
+
+
+def write_token_records(run_dir: str | Path, step: int, parts: list[torch.Tensor]) -> Path:
+    """Every rank's rows of one step, in global order (sample, position), to an npz file."""
+    rows = torch.cat([p for p in parts if p.numel()] or [torch.zeros(0, len(COLUMNS))]).numpy()
+    order = np.lexsort((rows[:, 1], rows[:, 0]))
+    rows = rows[order]
+    columns = {
+        name: rows[:, i].astype(np.int64 if name in _INTEGER else np.float64)
+        for i, name in enumerate(COLUMNS)
+    }
+    directory = Path(run_dir) / TOKENS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step_{step:08d}.npz"
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **columns)
+    os.replace(tmp, path)
+    return path
+
+
+def read_token_records(run_dir: str | Path) -> dict[int, dict[str, np.ndarray]]:
+    """{step: {column: array}} of a run's per-token records (empty when it recorded none)."""
+    directory = Path(run_dir) / TOKENS_DIR
+    records = {}
+    for path in sorted(directory.glob("step_*.npz")) if directory.is_dir() else []:
+        if path.name.endswith(".tmp.npz"):
+            continue
+        with np.load(path) as data:
+            records[int(path.stem.split("_")[1])] = {k: data[k] for k in COLUMNS}
+    return records

@@ -1,0 +1,152 @@
+"""Per-token parity: records at every layout agree on every token, and the pre-fix run's broken
+tokens are found exactly, in the chunks the bug lives in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recipe.compare.__main__ import main as compare_main
+from recipe.compare.tokens import compare_token_records, where
+from recipe.data.packing import pack_sequences
+from recipe.parallel.cp.contract import built_in, index_preprocess
+from recipe.parallel.cp.zigzag import local_token_identity
+from recipe.training.tokens import COLUMNS, read_token_records, write_token_records
+from tests.helpers.cli import run_train_cli
+
+RECORDED = [
+    "trainer.max_steps=2",
+    "trainer.record_tokens=[1,2]",
+    "trainer.checkpoint_every=0",
+    "model.position_embedding_type=learned_absolute",
+]
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tokens")
+    layouts = {
+        "cp1": [],
+        "cp2": ["cp=2"],
+        "cp4": ["cp=4"],
+        "dp2cp2": ["cp=2", "parallel.dp=2"],
+        "prefix": ["cp=2", "cp.preprocess=verl_legacy"],
+    }
+    out = {}
+    for name, args in layouts.items():
+        run_dir = root / name
+        done = run_train_cli([*RECORDED, *args, f"hydra.run.dir={run_dir}"], cwd=root)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out[name] = run_dir
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout, cp", [("cp2", 2), ("cp4", 4), ("dp2cp2", 2)])
+def test_every_layout_agrees_with_cp1_on_every_token(runs, layout, cp):
+    result = compare_token_records(runs[layout], runs["cp1"], ATOL, cp)
+    assert result.passed, result.problems or [(d.step, d.max_abs) for d in result.steps]
+    assert [d.step for d in result.steps] == [1, 2]
+    records = read_token_records(runs[layout])[1]
+    assert set(records["cp_rank"].tolist()) == set(range(cp))
+    assert set(records["chunk"].tolist()) == set(range(2 * cp)), "every zigzag chunk seen"
+    if layout == "dp2cp2":
+        assert set(records["dp_rank"].tolist()) == {0, 1}
+    assert records["sample"].size == read_token_records(runs["cp1"])[1]["sample"].size
+
+
+def _positions_verl_legacy_gets_wrong(length: int, cp: int) -> set[int]:
+    """Real positions of one sequence whose pre-fix position_id differs from the index path's."""
+    tokens = torch.arange(1, length + 1)
+    cu = pack_sequences([tokens.tolist()], 2 * cp, 0).cu_seqlens_padded
+    legacy = built_in("verl_legacy")
+    wrong = set()
+    for rank in range(cp):
+        right = index_preprocess([tokens], cu, cp, rank)["position_ids"]
+        got = legacy([tokens], cu, cp, rank)[1]
+        _, position, _ = local_token_identity(cu, cp, rank)
+        wrong |= {
+            p
+            for p, x, y in zip(position.tolist(), right.tolist(), got.tolist())
+            if p < length and x != y
+        }
+    return wrong
+
+
+@pytest.mark.distributed
+def test_the_prefix_runs_flagged_tokens_are_exactly_those_its_wrong_positions_reach(runs):
+    """With learned positions a token with a wrong position_id gets a wrong embedding, and
+    causal attention carries it to every later token of its sequence, not to earlier ones. At
+    step 1 (same weights) the flagged tokens are exactly those at or after the first wrong
+    position of each sample, and all lie in back chunks."""
+    result = compare_token_records(runs["prefix"], runs["cp1"], ATOL, 2)
+    step1 = result.steps[0]
+    assert not result.passed and step1.flagged > 0
+    assert where(step1).startswith("back chunks only")
+    base, prefix = read_token_records(runs["cp1"])[1], read_token_records(runs["prefix"])[1]
+    flagged = np.abs(base["lm_loss"] - prefix["lm_loss"]) > ATOL
+    checked = 0
+    for sample in np.unique(base["sample"]):
+        mine = base["sample"] == sample
+        length = int(base["position"][mine].max()) + 2
+        wrong = _positions_verl_legacy_gets_wrong(length, 2)
+        first = min(wrong) if wrong else length
+        reached = {p for p in base["position"][mine].tolist() if p >= first}
+        assert set(base["position"][mine & flagged].tolist()) == reached, f"sample {sample}"
+        checked += bool(wrong)
+    assert checked > 0, "some sample has a wrong position: the check compared something"
+
+
+@pytest.mark.distributed
+def test_the_cli_gates_on_per_token_parity(runs, capsys):
+    assert compare_main([str(runs["cp2"]), "--baseline", str(runs["cp1"]), "--per-token"]) == 0
+    assert "| 1 | " in capsys.readouterr().out
+    code = compare_main([str(runs["prefix"]), "--baseline", str(runs["cp1"]), "--per-token"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "back chunks only (rank 0 chunk 3, rank 1 chunk 2)" in out
+
+
+# --- the pieces --------------------------------------------------------------------------------
+
+
+def _write(run_dir: Path, step: int, losses: list[float], cp_rank=0, chunk=0) -> None:
+    n = len(losses)
+    rows = torch.tensor(
+        [[i // 4, i % 4, loss, 0, cp_rank, chunk] for i, loss in enumerate(losses)],
+        dtype=torch.float64,
+    )
+    assert rows.shape == (n, len(COLUMNS))
+    # Given in reverse: the writer sorts into (sample, position) order.
+    write_token_records(run_dir, step, [rows[n // 2 :], rows[: n // 2]])
+
+
+def test_records_round_trip_in_global_order_and_differences_are_counted(tmp_path):
+    base, run = tmp_path / "base", tmp_path / "run"
+    losses = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    _write(base, 1, losses)
+    _write(run, 1, [*losses[:5], 6.5, 7.0, float("nan")], cp_rank=1, chunk=3)
+    records = read_token_records(base)[1]
+    assert records["sample"].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert records["position"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    result = compare_token_records(run, base, 1e-3, cp_size=2)
+    (step,) = result.steps
+    assert step.flagged == 2, "one off by 0.5, one NaN"
+    assert step.samples == [(1, 2, 1, 3)]
+    assert where(step) == "back chunks only (rank 1 chunk 3)"
+    assert not result.passed
+    assert compare_token_records(base, base, 1e-3).passed
+
+
+def test_missing_or_mismatched_records_fail_with_the_reason(tmp_path):
+    base, other = tmp_path / "base", tmp_path / "other"
+    _write(base, 1, [1.0] * 8)
+    _write(other, 1, [1.0] * 4)
+    missing = compare_token_records(tmp_path / "none", base, 1e-5)
+    assert not missing.passed and "has no per-token records" in missing.problems[0]
+    different = compare_token_records(other, base, 1e-5)
+    assert not different.passed and "predicted different tokens" in different.problems[0]
