@@ -272,3 +272,63 @@ def test_a_bad_compare_baseline_stops_the_sweep_before_any_job(tmp_path):
         result.stderr + result.stdout
     )
     assert not list(sweep.rglob("metrics.jsonl")), "no job ran"
+
+
+def _token_records(run: Path, losses: list[float]) -> None:
+    import torch
+
+    from recipe.training.tokens import write_token_records
+
+    rows = torch.tensor(
+        [[0, i, loss, 0, 0, 0] for i, loss in enumerate(losses)], dtype=torch.float64
+    )
+    write_token_records(run, 1, [rows])
+
+
+def test_reports_say_how_far_a_failing_run_missed_and_check_tokens_when_recorded(tmp_path):
+    from recipe.compare.report import write_report
+
+    base = make_run(tmp_path, "0", cp=1)
+    good = make_run(tmp_path, "1", cp=2)
+    bad = make_run(tmp_path, "2", cp=2, shift=1e-3)
+    _token_records(base, [1.0, 2.0, 3.0])
+    _token_records(good, [1.0, 2.0, 3.0])
+    _token_records(bad, [1.0, 2.0, 3.5])
+    report, passed = write_report(find_runs([tmp_path]), tmp_path, 1e-5)
+    assert not passed
+    worst_rel = max(abs(5.0 / s + 1e-3 * s - 5.0 / s) / (5.0 / s + 1e-3 * s) for s in range(1, 6))
+    assert f"lm_loss {worst_rel / 1e-5:.3g}x rtol; {0.5 / 1e-5:.3g}x atol on per-token" in report
+    assert "## Per-token parity" in report and report.count("### Per-token") == 2
+
+
+def test_a_token_mismatch_alone_fails_the_sweep(tmp_path):
+    from recipe.compare.report import write_report
+
+    base, run = make_run(tmp_path, "0", cp=1), make_run(tmp_path, "1", cp=2)
+    _token_records(base, [1.0, 2.0])
+    _token_records(run, [1.0, 2.1])
+    report, passed = write_report(find_runs([tmp_path]), tmp_path, 1e-5)
+    assert "1 passed, 0 failed" in report, "the curves agree"
+    assert not passed, "the tokens do not"
+
+
+def test_a_golden_file_round_trips_and_a_perturbed_curve_fails(tmp_path, capsys):
+    from recipe.compare.__main__ import main
+
+    base = make_run(tmp_path / "a", "base", cp=1)
+    _token_records(base, [1.0, 2.0, 3.0])
+    golden = tmp_path / "cp1.golden.json"
+    assert main([str(base), "--export-golden", str(golden)]) == 0
+    same = make_run(tmp_path / "b", "same", cp=2)
+    _token_records(same, [1.0, 2.0, 3.0])
+    assert main([str(same), "--golden", str(golden), "--per-token"]) == 0
+    perturbed = make_run(tmp_path / "c", "perturbed", cp=2, shift=1e-4)
+    assert main([str(perturbed), "--golden", str(golden)]) == 1
+    tokens_off = make_run(tmp_path / "d", "tokens_off", cp=2)
+    _token_records(tokens_off, [1.0, 2.0, 3.001])
+    assert main([str(tokens_off), "--golden", str(golden)]) == 0, "curves alone pass"
+    assert main([str(tokens_off), "--golden", str(golden), "--per-token"]) == 1
+    capsys.readouterr()
+    assert main([str(same), "--golden", str(tmp_path / "nope.json")]) == 2
+    assert "cannot read golden file" in capsys.readouterr().err
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--export-golden", "x.json"]) == 2

@@ -17,10 +17,12 @@ import sys
 from pathlib import Path
 
 from recipe.compare.diff import all_passed, compare_all
+from recipe.compare.golden import export_golden, load_golden
 from recipe.compare.plot import plot_comparisons
 from recipe.compare.report import render_markdown
 from recipe.compare.runs import find_runs, load_run
-from recipe.compare.tokens import compare_token_records, render_token_report
+from recipe.compare.tokens import compare_records, compare_token_records, render_token_report
+from recipe.training.tokens import read_token_records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run or sweep directories")
     parser.add_argument("--baseline", help="compare every run with this run directory")
+    parser.add_argument(
+        "--golden", help="compare every run with this stored baseline (see --export-golden)"
+    )
+    parser.add_argument(
+        "--export-golden",
+        metavar="FILE",
+        help="store the one given run's curves and per-token records in FILE, and exit",
+    )
     parser.add_argument(
         "--rtol",
         type=float,
@@ -49,9 +59,19 @@ def main(argv: list[str] | None = None) -> int:
         help="largest absolute per-token loss difference (default 1e-5, fp32 on CPU)",
     )
     args = parser.parse_args(argv)
+    golden_tokens = None
     try:
         runs = find_runs(args.runs)
+        if args.export_golden:
+            if len(runs) != 1:
+                raise ValueError(f"--export-golden takes one run; {len(runs)} were found")
+            print(f"golden: {export_golden(runs[0].path, args.export_golden)}")
+            return 0
+        if args.baseline and args.golden:
+            raise ValueError("give --baseline or --golden, not both")
         baseline = load_run(args.baseline) if args.baseline else None
+        if args.golden:
+            baseline, golden_tokens = load_golden(args.golden)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -67,9 +87,19 @@ def main(argv: list[str] | None = None) -> int:
         for c in comparisons:
             if c.baseline is None:
                 continue
-            tokens = compare_token_records(
-                c.run.path, c.baseline.path, args.token_atol, c.run.cp or 1
-            )
+            if golden_tokens is not None and c.baseline is baseline:
+                tokens = compare_records(
+                    read_token_records(c.run.path),
+                    golden_tokens,
+                    args.token_atol,
+                    c.run.cp or 1,
+                    c.run.path,
+                    baseline.path,
+                )
+            else:
+                tokens = compare_token_records(
+                    c.run.path, c.baseline.path, args.token_atol, c.run.cp or 1
+                )
             report += "\n\n" + render_token_report(tokens)
             tokens_passed = tokens_passed and tokens.passed
     print(report)

@@ -11,16 +11,34 @@ from pathlib import Path
 from recipe.compare.diff import DEFAULT_METRICS, Comparison, all_passed, compare_all
 from recipe.compare.plot import plot_comparisons
 from recipe.compare.runs import Run, run_labels
+from recipe.compare.tokens import (
+    TOKEN_ATOL,
+    compare_token_records,
+    has_token_records,
+    render_token_report,
+)
 
 
 def _fmt(value: float | None, spec: str = ".3e") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _margin(diff, rtol: float) -> str:
+    """The largest relative difference in units of the tolerance: 0.02x passes, 33x fails."""
+    if diff is None or diff.max_rel is None:
+        return "n/a"
+    return f"{diff.max_rel / rtol:.3g}x"
+
+
 def render_markdown(
-    comparisons: list[Comparison], rtol: float, failures: list[tuple[str, str]] = ()
+    comparisons: list[Comparison],
+    rtol: float,
+    failures: list[tuple[str, str]] = (),
+    tokens: dict | None = None,
 ) -> str:
-    """The parity table; `failures` are (job, error) of jobs that crashed, listed as FAIL."""
+    """The parity table; `failures` are (job, error) of jobs that crashed, listed as FAIL;
+    `tokens` maps a run's path to its per-token miss ("4.1e+04x atol on per-token")."""
+    tokens = tokens or {}
     runs = [c.run for c in comparisons]
     labels = run_labels(runs)
     metrics = [
@@ -29,7 +47,7 @@ def render_markdown(
     header = ["run", "baseline", "steps"]
     for m in metrics:
         header += [f"{m} max abs", f"{m} max rel", f"{m} final (run / base)"]
-    header += ["lm_loss corr", "verdict"]
+    header += ["lm_loss max rel / rtol", "lm_loss corr", "verdict"]
     lines = [
         "# Parity report\n",
         f"Tolerance: relative difference <= {rtol:g} on every step for "
@@ -49,7 +67,7 @@ def render_markdown(
                 else "no baseline"
             )
             row = [labels[c.run.path], "-", str(len(c.run.metrics))]
-            row += ["-"] * (3 * len(metrics)) + ["-", verdict]
+            row += ["-"] * (3 * len(metrics)) + ["-", "-", verdict]
         else:
             by_metric = {d.metric: d for d in c.diffs}
             row = [labels[c.run.path], c.baseline.path.name, str(c.steps_compared)]
@@ -66,6 +84,7 @@ def render_markdown(
                     ]
             lm = by_metric.get("lm_loss")
             row += [
+                _margin(lm, rtol),
                 _fmt(lm.correlation if lm else None, ".6f"),
                 "**PASS**" if c.passed else "**FAIL**",
             ]
@@ -74,9 +93,23 @@ def render_markdown(
     for job, _ in failures:
         if job in logged:  # it logged some steps: its row above already shows the shortfall
             continue
-        cells = [job, "-", "-"] + ["-"] * (3 * len(metrics)) + ["-", "**FAIL** (job failed)"]
+        cells = [job, "-", "-"] + ["-"] * (3 * len(metrics)) + ["-", "-", "**FAIL** (job failed)"]
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"- {labels[c.run.path]}: {n}" for c in comparisons for n in c.notes]
+    missed = [
+        f"- {labels[c.run.path]}: lm_loss {_margin(d, rtol)} rtol"
+        + (f"; {tokens[c.run.path]}" if c.run.path in tokens else "")
+        for c in comparisons
+        if c.passed is False
+        for d in c.diffs
+        if d.metric == "lm_loss" and d.max_rel is not None
+    ]
+    if missed:
+        lines += [
+            "",
+            "How far the failing runs (negative controls among them) missed the tolerance:",
+            *missed,
+        ]
     notes += [f"- job {job} failed: {error}" for job, error in failures]
     if notes:
         lines += ["", "Notes:", *notes]
@@ -102,7 +135,21 @@ def write_report(
     (report, all passed)."""
     out_dir = Path(out_dir)
     comparisons = compare_all(runs, rtol, baseline)
-    report = render_markdown(comparisons, rtol, failures)
+    token_sections, token_misses, tokens_passed = [], {}, True
+    for c in comparisons:
+        if c.baseline is None or not (
+            has_token_records(c.run.path) and has_token_records(c.baseline.path)
+        ):
+            continue
+        result = compare_token_records(c.run.path, c.baseline.path, TOKEN_ATOL, c.run.cp or 1)
+        token_sections.append(render_token_report(result))
+        tokens_passed = tokens_passed and result.passed
+        worst = max((d.max_abs for d in result.steps), default=0.0)
+        if not result.passed:
+            token_misses[c.run.path] = f"{worst / TOKEN_ATOL:.3g}x atol on per-token"
+    report = render_markdown(comparisons, rtol, failures, token_misses)
+    if token_sections:
+        report += "\n## Per-token parity\n\n" + "\n\n".join(token_sections) + "\n"
     (out_dir / REPORT_FILE).write_text(report)
     plot_comparisons(comparisons, out_dir / PLOT_FILE, title=str(out_dir))
-    return report, all_passed(comparisons) and not failures
+    return report, all_passed(comparisons) and not failures and tokens_passed

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from recipe.training.tokens import read_token_records
+from recipe.training.tokens import TOKENS_DIR, read_token_records
+
+TOKEN_ATOL = 1e-5
+"""Largest absolute per-token loss difference that passes (fp32 on CPU)."""
+
+
+def has_token_records(run_dir: str | Path) -> bool:
+    return any((Path(run_dir) / TOKENS_DIR).glob("step_*.npz"))
 
 
 @dataclass
@@ -53,7 +60,15 @@ def compare_token_records(
 ) -> TokenComparison:
     """Join the two runs' records on (step, sample, position); `cp_size` is the run's, to name
     chunks front or back."""
-    mine, theirs = read_token_records(run), read_token_records(baseline)
+    return compare_records(
+        read_token_records(run), read_token_records(baseline), atol, cp_size, run, baseline
+    )
+
+
+def compare_records(
+    mine: dict, theirs: dict, atol: float, cp_size: int, run, baseline
+) -> TokenComparison:
+    """`compare_token_records` on records already read (a golden file's, for one)."""
     problems = []
     for side, records in (("run", mine), ("baseline", theirs)):
         if not records:
