@@ -389,6 +389,9 @@ class TrainerConfig:
     record_tokens: list[int] = field(default_factory=list)
     """Steps whose every predicted token's loss is written, with its sample, position, dp/cp rank
     and zigzag chunk, to <run dir>/tokens/step_N.npz (e.g. [1,10]); see --per-token."""
+    trace_steps: list[int] = field(default_factory=list)
+    """Steps whose every module output (per real token) and parameter gradient are written to
+    <run dir>/trace/step_N.pt, for `python -m recipe.compare.diverge` (small models, tp=1)."""
     requeue: bool = False
     """After the checkpoint that SIGTERM/SIGUSR1 triggers, requeue the SLURM job (scontrol)."""
 
@@ -409,11 +412,13 @@ class TrainerConfig:
             f"trainer.checkpoint_every must be >= 0 (0: none), got {self.checkpoint_every}",
         )
         _positive("trainer.checkpoint_keep", self.checkpoint_keep)
-        _require(
-            all(isinstance(s, int) and 1 <= s <= self.max_steps for s in self.record_tokens),
-            f"trainer.record_tokens must list steps between 1 and trainer.max_steps="
-            f"{self.max_steps}, got {list(self.record_tokens)}",
-        )
+        for key in ("record_tokens", "trace_steps"):
+            steps = getattr(self, key)
+            _require(
+                all(isinstance(s, int) and 1 <= s <= self.max_steps for s in steps),
+                f"trainer.{key} must list steps between 1 and trainer.max_steps="
+                f"{self.max_steps}, got {list(steps)}",
+            )
         _require(
             self.resume is None or (isinstance(self.resume, str) and self.resume.strip()),
             f"trainer.resume must be null, auto or a path, got {self.resume!r}",
@@ -496,6 +501,11 @@ class TrainConfig:
         )
 
         self._check_tensor_parallel()
+        _require(
+            not self.trainer.trace_steps or self.parallel.tp == 1,
+            f"trainer.trace_steps needs parallel.tp=1 (a trace keeps whole hidden vectors; at "
+            f"tp={self.parallel.tp} each rank holds a slice of some); trace at cp/dp > 1 and tp=1",
+        )
 
         if self.cp.comm_type == "a2a" and self.cp.size > 1:
             m = self.model

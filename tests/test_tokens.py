@@ -1,5 +1,6 @@
-"""Per-token parity: records at every layout agree on every token, and the pre-fix run's broken
-tokens are found exactly, in the chunks the bug lives in."""
+"""Proof down to the token: per-token records at every layout agree on every token, the pre-fix
+run's broken tokens are found exactly (in the chunks the bug lives in), and the first-divergence
+search names the module where two runs part."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from recipe.parallel.cp.contract import built_in, index_preprocess
 from recipe.parallel.cp.zigzag import local_token_identity
 from recipe.training.tokens import COLUMNS, read_token_records, write_token_records
 from tests.helpers.cli import run_train_cli
+from tests.helpers.config import typed_config
 
 RECORDED = [
     "trainer.max_steps=2",
     "trainer.record_tokens=[1,2]",
+    "trainer.trace_steps=[1]",
     "trainer.checkpoint_every=0",
     "model.position_embedding_type=learned_absolute",
 ]
@@ -150,3 +153,72 @@ def test_missing_or_mismatched_records_fail_with_the_reason(tmp_path):
     assert not missing.passed and "has no per-token records" in missing.problems[0]
     different = compare_token_records(other, base, 1e-5)
     assert not different.passed and "predicted different tokens" in different.problems[0]
+
+
+# --- first divergence ---------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_runs_that_agree_part_nowhere(runs, capsys):
+    from recipe.compare.diverge import main as diverge
+
+    assert diverge([str(runs["cp2"]), str(runs["cp1"])]) == 0
+    out = capsys.readouterr().out
+    assert "no module's output differs beyond the tolerance" in out
+    assert "no parameter's gradient differs" in out
+    assert diverge([str(runs["dp2cp2"]), str(runs["cp1"])]) == 0
+
+
+@pytest.mark.distributed
+def test_the_prefix_run_parts_at_the_position_embedding(runs, capsys):
+    from recipe.compare.diverge import main as diverge
+
+    assert diverge([str(runs["prefix"]), str(runs["cp1"])]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence: embedding.position_embeddings: relative" in out
+    assert "| 0 | embedding.word_embeddings | 0 |" in out, "the module before it agrees exactly"
+
+
+def test_an_attention_mask_that_leaks_across_sequences_parts_at_core_attention(
+    tmp_path, monkeypatch, capsys
+):
+    """A test-only fault: attention that ignores the packed sequences' boundaries (every token
+    sees the earlier sequences of its micro-batch), the classic packing bug."""
+    from recipe.compare.diverge import main as diverge
+    from recipe.model import attention
+    from recipe.training.trainer import train
+
+    def run(run_dir):
+        cfg = typed_config(
+            ["trainer.max_steps=1", "trainer.trace_steps=[1]", "trainer.checkpoint_every=0"],
+            output_dir=run_dir,
+        )
+        train(cfg)
+
+    run(tmp_path / "right")
+    correct = attention.varlen_causal_attention
+
+    def leaky(query, key, value, cu_seqlens_padded, *args, **kwargs):
+        whole = cu_seqlens_padded[[0, -1]]
+        return correct(query, key, value, whole, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "varlen_causal_attention", leaky)
+    run(tmp_path / "leaky")
+    assert diverge([str(tmp_path / "leaky"), str(tmp_path / "right")]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence: decoder.layers.0.self_attention.core_attention: relative" in out
+    assert "self_attention.linear_qkv | 0 |" in out, "its inputs agree exactly"
+
+
+def test_a_missing_trace_is_a_clear_error(tmp_path, capsys):
+    from recipe.compare.diverge import main as diverge
+
+    assert diverge([str(tmp_path), str(tmp_path)]) == 2
+    assert "has no trace (run it with trainer.trace_steps=[1])" in capsys.readouterr().err
+
+
+def test_a_trace_at_tp2_is_refused():
+    from recipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer.trace_steps needs parallel.tp=1"):
+        typed_config(["parallel.tp=2", "trainer.trace_steps=[1]"])

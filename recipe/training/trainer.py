@@ -62,6 +62,7 @@ from recipe.training.throughput import (
 )
 from recipe.training.tokens import COLUMNS as TOKEN_COLUMNS
 from recipe.training.tokens import token_rows, write_token_records
+from recipe.training.trace import ActivationTrace, gradients_of, write_trace
 
 
 class NonFiniteStep(RuntimeError):
@@ -161,14 +162,20 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         mtp_counts = work.global_mtp_tokens
         token_rows_of_step = [] if self.step in self.cfg.trainer.record_tokens else None
+        trace = None
+        if self.step in self.cfg.trainer.trace_steps:
+            trace = ActivationTrace(self.model, self.layout)
         with self._collectives_in("the forward/backward pass (CP, TP and MTP exchanges)"):
-            totals = self.forward_backward_step(work, token_rows_of_step)
+            totals = self.forward_backward_step(work, token_rows_of_step, trace)
         if token_rows_of_step is not None:
             self._write_token_records(token_rows_of_step)
         params = list(self.model.parameters())
         with self._collectives_in("the gradient all-reduce"):
             collectives.all_reduce_gradients(params, self.grad_group)
             collectives.all_reduce_sequence_parallel_gradients(params, self.tp_group)
+        if trace is not None:  # gradients summed over ranks, before clipping scales them
+            self._write_trace(trace.close())
+        with self._collectives_in("the gradient all-reduce"):
             norm = grad_norm(params, self.cfg.optim.grad_clip, self.tp_group)
         with self._collectives_in("the loss all-reduce"):
             totals = self._reduce(totals, work)
@@ -222,13 +229,15 @@ class Trainer:
                 f"(trainer.collective_timeout_s={timeout:g}). gloo: {str(err).splitlines()[0]}"
             ) from None
 
-    def forward_backward_step(self, work: StepWork, token_rows_out: list | None = None):
+    def forward_backward_step(self, work: StepWork, token_rows_out: list | None = None, trace=None):
         """Forward and backward over this rank's micro-batches; returns the step's report
         totals on this rank, [name, (sum, count)] in `work.report_names` order, on the device.
         With `token_rows_out`, each micro-batch's per-token records are appended to it."""
         names = work.report_names
         totals = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
         for index, batch in enumerate(work.micro_batches):
+            if trace is not None:
+                trace.micro_batch(batch, work.samples[index])
             if work.global_mtp_tokens:
                 prepare_mtp_backward(
                     self.cfg.mtp.scaling,
@@ -290,6 +299,12 @@ class Trainer:
             parts = collectives.gather_to_main(mine)
         if self.layout.is_main and self.cfg.output_dir:
             write_token_records(self.cfg.output_dir, self.step, parts)
+
+    def _write_trace(self, mine: dict) -> None:
+        with self._collectives_in("the trace gather"):
+            traces = collectives.gather_to_main(mine)
+        if self.layout.is_main and self.cfg.output_dir:
+            write_trace(self.cfg.output_dir, self.step, traces, gradients_of(self.model))
 
     def _checkpoint_due(self) -> bool:
         every = self.cfg.trainer.checkpoint_every

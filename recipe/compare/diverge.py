@@ -1,0 +1,178 @@
+"""Where do two runs part? Compare their traces module by module, in execution order.
+
+    python -m recipe.compare.diverge RUN_A RUN_B [--step N] [--rtol X]
+
+Both runs need `trainer.trace_steps=[N]` (tp=1; any cp and dp). Every module's output on every
+real token is compared in global (sample, position) order, modules in the order the forward pass
+ran them; the first whose relative difference (norm of the difference over the norm of RUN_B's
+values) exceeds --rtol is named, with the token where it is largest and how many tokens differ,
+followed by the other modules and the first parameter whose gradient differs. Exit 1 when the
+runs part, 0 when they agree everywhere, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from recipe.training.trace import read_trace
+
+DEFAULT_RTOL = 1e-4
+"""fp32 runs at different cp agree to about 1e-6 relative per module; a bug gives 1e-2 and more."""
+
+
+@dataclass
+class ModuleDiff:
+    name: str
+    kind: str
+    """activation | gradient"""
+    relative: float
+    max_abs: float
+    tokens_off: int = 0
+    tokens: int = 0
+    worst_token: tuple[int, int] | None = None
+    """(sample, position) with the largest difference (activations)."""
+    note: str = ""
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = float(b.norm())
+    difference = float((a - b).norm())
+    return difference / scale if scale > 0 else (0.0 if difference == 0 else float("inf"))
+
+
+def compare_traces(a: dict, b: dict, rtol: float) -> list[ModuleDiff]:
+    """Activations in a's execution order, then gradients in parameter order."""
+    diffs = []
+    for name in a["order"]:
+        if name not in b["modules"]:
+            diffs.append(
+                ModuleDiff(
+                    name, "activation", float("inf"), float("inf"), note="missing in the second run"
+                )
+            )
+            continue
+        x, y = a["modules"][name], b["modules"][name]
+        if not (
+            torch.equal(x["sample"], y["sample"]) and torch.equal(x["position"], y["position"])
+        ):
+            diffs.append(
+                ModuleDiff(
+                    name,
+                    "activation",
+                    float("inf"),
+                    float("inf"),
+                    note="the runs traced different tokens",
+                )
+            )
+            continue
+        if x["values"].shape != y["values"].shape:
+            diffs.append(
+                ModuleDiff(
+                    name,
+                    "activation",
+                    float("inf"),
+                    float("inf"),
+                    note=f"shapes {tuple(x['values'].shape)} vs {tuple(y['values'].shape)}",
+                )
+            )
+            continue
+        delta = (x["values"] - y["values"]).abs()
+        per_token = delta.amax(dim=1) if delta.numel() else delta.new_zeros(0)
+        scale = y["values"].abs().amax(dim=1).clamp(min=1e-12) if delta.numel() else per_token
+        worst = int(per_token.argmax()) if per_token.numel() else None
+        diffs.append(
+            ModuleDiff(
+                name,
+                "activation",
+                _relative(x["values"], y["values"]),
+                float(per_token.max()) if per_token.numel() else 0.0,
+                tokens_off=int((per_token / scale > rtol).sum()),
+                tokens=int(per_token.numel()),
+                worst_token=None
+                if worst is None
+                else (int(x["sample"][worst]), int(x["position"][worst])),
+            )
+        )
+    for name, grad in a["grads"].items():
+        other = b["grads"].get(name)
+        if other is None or other.shape != grad.shape:
+            diffs.append(
+                ModuleDiff(
+                    name,
+                    "gradient",
+                    float("inf"),
+                    float("inf"),
+                    note="missing or shaped differently in the second run",
+                )
+            )
+            continue
+        diffs.append(
+            ModuleDiff(name, "gradient", _relative(grad, other), float((grad - other).abs().max()))
+        )
+    return diffs
+
+
+def first_divergence(diffs: list[ModuleDiff], rtol: float, kind: str) -> ModuleDiff | None:
+    return next((d for d in diffs if d.kind == kind and not d.relative <= rtol), None)
+
+
+def render(diffs: list[ModuleDiff], rtol: float, step: int) -> str:
+    lines = [f"step {step}, tolerance {rtol:g} (relative difference of each module's output)"]
+    first = first_divergence(diffs, rtol, "activation")
+    if first is None:
+        lines.append("no module's output differs beyond the tolerance")
+    else:
+        where = ""
+        if first.worst_token is not None:
+            where = (
+                f", largest at sample {first.worst_token[0]} position "
+                f"{first.worst_token[1]}; {first.tokens_off} of {first.tokens} tokens off"
+            )
+        note = f" ({first.note})" if first.note else ""
+        lines.append(
+            f"first divergence: {first.name}: relative {first.relative:.3g}, max abs "
+            f"{first.max_abs:.3g}{where}{note}"
+        )
+    grad = first_divergence(diffs, rtol, "gradient")
+    lines.append(
+        "no parameter's gradient differs beyond the tolerance"
+        if grad is None
+        else f"first gradient that differs: {grad.name}: relative {grad.relative:.3g}"
+    )
+    lines += ["", "| # | module | relative | max abs | tokens off |", "|---|---|---|---|---|"]
+    for i, d in enumerate(d for d in diffs if d.kind == "activation"):
+        mark = " **>**" if not d.relative <= rtol else ""
+        lines.append(
+            f"| {i} | {d.name}{mark} | {d.relative:.3g} | {d.max_abs:.3g} | "
+            f"{d.tokens_off}/{d.tokens} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m recipe.compare.diverge", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("run_a")
+    parser.add_argument("run_b", help="the reference (e.g. the cp=1 run)")
+    parser.add_argument("--step", type=int, help="the traced step (default: the first)")
+    parser.add_argument("--rtol", type=float, default=DEFAULT_RTOL)
+    args = parser.parse_args(argv)
+    try:
+        step, a = read_trace(args.run_a, args.step)
+        _, b = read_trace(args.run_b, step)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    diffs = compare_traces(a, b, args.rtol)
+    print(render(diffs, args.rtol, step))
+    parted = any(not d.relative <= args.rtol for d in diffs)
+    return 1 if parted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
