@@ -25,6 +25,7 @@ RECORDED = [
     "trainer.trace_steps=[1]",
     "trainer.checkpoint_every=0",
     "model.position_embedding_type=learned_absolute",
+    "mtp=on",  # the MTP block in every trace: its modules must agree too
 ]
 ATOL = 1e-5
 
@@ -81,27 +82,41 @@ def _positions_verl_legacy_gets_wrong(length: int, cp: int) -> set[int]:
 
 
 @pytest.mark.distributed
-def test_the_prefix_runs_flagged_tokens_are_exactly_those_its_wrong_positions_reach(runs):
-    """With learned positions a token with a wrong position_id gets a wrong embedding, and
-    causal attention carries it to every later token of its sequence, not to earlier ones. At
-    step 1 (same weights) the flagged tokens are exactly those at or after the first wrong
-    position of each sample, and all lie in back chunks."""
+def test_the_prefix_runs_flagged_tokens_are_those_its_wrong_positions_reach(runs):
+    """With learned positions a token with a wrong position_id gets a wrong position embedding
+    (exactly those tokens: checked on the trace), and causal attention carries it to later
+    tokens of its sequence, never to earlier ones. At step 1 (same weights) every flagged token
+    lies at or after its sample's first wrong position, and nearly all such tokens are flagged
+    (a few may land within 1e-5 by chance); all lie in back chunks."""
+    from recipe.training.trace import read_trace
+
     result = compare_token_records(runs["prefix"], runs["cp1"], ATOL, 2)
     step1 = result.steps[0]
     assert not result.passed and step1.flagged > 0
     assert where(step1).startswith("back chunks only")
     base, prefix = read_token_records(runs["cp1"])[1], read_token_records(runs["prefix"])[1]
     flagged = np.abs(base["lm_loss"] - prefix["lm_loss"]) > ATOL
-    checked = 0
+    embedded = [
+        read_trace(runs[n], 1)[1]["modules"]["embedding.position_embeddings"]
+        for n in ("cp1", "prefix")
+    ]
+    embedding_differs = (embedded[0]["values"] != embedded[1]["values"]).any(dim=1)
+    reached_total = flagged_total = 0
     for sample in np.unique(base["sample"]):
         mine = base["sample"] == sample
         length = int(base["position"][mine].max()) + 2
         wrong = _positions_verl_legacy_gets_wrong(length, 2)
+        rows = embedded[0]["sample"] == int(sample)
+        assert set(embedded[0]["position"][rows & embedding_differs].tolist()) == wrong, (
+            f"sample {sample}: the position embedding differs exactly where position_ids do"
+        )
         first = min(wrong) if wrong else length
         reached = {p for p in base["position"][mine].tolist() if p >= first}
-        assert set(base["position"][mine & flagged].tolist()) == reached, f"sample {sample}"
-        checked += bool(wrong)
-    assert checked > 0, "some sample has a wrong position: the check compared something"
+        hit = set(base["position"][mine & flagged].tolist())
+        assert hit <= reached, f"sample {sample}: a token before the first wrong position"
+        reached_total += len(reached)
+        flagged_total += len(hit)
+    assert reached_total > 0 and flagged_total >= 0.95 * reached_total
 
 
 @pytest.mark.distributed

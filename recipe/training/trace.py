@@ -2,7 +2,8 @@
 
 For the steps in `trainer.trace_steps` forward hooks on every module of the model keep each
 module's output on every real token (padding excluded), tagged with the token's step-level
-sample and position (from the zigzag index, not from position_ids); after the gradient
+sample and position (from the zigzag index, not from position_ids) and its `room`, how many tokens
+of its sequence follow it (MTP depth k has a target only where room > k); after the gradient
 all-reduce every parameter's gradient is kept too. Rank 0 gathers the ranks' pieces, sorts each
 module's rows into (sample, position) order and writes `<run dir>/trace/step_NNNNNNNN.pt`. Two
 runs at different layouts then line up row for row and `python -m recipe.compare.diverge A B`
@@ -50,6 +51,7 @@ class ActivationTrace:
         self._real = position < real_lengths[sequence]
         self._sample = torch.tensor(samples, dtype=torch.int64)[sequence][self._real]
         self._position = position[self._real]
+        self._room = (real_lengths[sequence] - 1 - position)[self._real]
         self._tokens = position.numel()
         self._calls.clear()
 
@@ -68,7 +70,7 @@ class ActivationTrace:
                 self.order.append(key)
             values = tensor.detach().movedim(dims[0], 0).reshape(self._tokens, -1)
             values = values.double().cpu()[self._real]
-            self.rows[key].append((self._sample, self._position, values))
+            self.rows[key].append((self._sample, self._position, values, self._room))
 
         return keep
 
@@ -77,7 +79,7 @@ class ActivationTrace:
         for handle in self._handles:
             handle.remove()
         modules = {
-            name: tuple(torch.cat([part[i] for part in parts]) for i in range(3))
+            name: tuple(torch.cat([part[i] for part in parts]) for i in range(4))
             for name, parts in self.rows.items()
         }
         return {"order": self.order, "modules": modules}
@@ -99,13 +101,14 @@ def write_trace(run_dir: str | Path, step: int, rank_traces: list[dict], grads: 
     modules = {}
     for name in order:
         parts = [t["modules"][name] for t in rank_traces if name in t["modules"]]
-        sample, position, values = (torch.cat([p[i] for p in parts]) for i in range(3))
+        sample, position, values, room = (torch.cat([p[i] for p in parts]) for i in range(4))
         key = sample * (int(position.max()) + 1 if position.numel() else 1) + position
         index = torch.argsort(key, stable=True)
         modules[name] = {
             "sample": sample[index],
             "position": position[index],
             "values": values[index],
+            "room": room[index],
         }
     directory = Path(run_dir) / TRACE_DIR
     directory.mkdir(parents=True, exist_ok=True)
