@@ -32,7 +32,12 @@ from recipe.training.loggers import (
     parse_metrics_lines,
     read_metrics,
 )
-from tests.helpers.cli import run_train_cli, start_train_cli, wait_for_steps
+from tests.helpers.cli import (
+    run_train_cli,
+    signal_after_steps,
+    start_train_cli,
+    wait_for_steps,
+)
 from tests.helpers.config import typed_config
 
 # 24 steps, a checkpoint every 8 (all kept), MTP on: the tiny run takes about 0.1 s a step, so a
@@ -124,13 +129,7 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_tp_resumes_both_ways(tmp_p
     run_dir = tmp_path / "run"
     start = reference_cp1 / "checkpoints" / "step_00000008"
     job = start_train_cli([*RUN, "parallel.tp=2", f"trainer.resume={start}"], run_dir)
-    try:
-        wait_for_steps(job, run_dir, 10)
-        job.send_signal(signal.SIGTERM)
-        _, stderr = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+    stderr = signal_after_steps(job, run_dir, 10, signal.SIGTERM)
     assert job.returncode == 143, stderr[-3000:]
     assert "Traceback" not in stderr
     newest = ckpt.complete_checkpoints(run_dir / "checkpoints")[-1]
@@ -190,13 +189,7 @@ def test_sigusr1_checkpoints_and_requeues_the_slurm_job(tmp_path):
         run_dir,
         env_extra={"SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}:{os.environ['PATH']}"},
     )
-    try:
-        wait_for_steps(job, run_dir, 3)
-        job.send_signal(signal.SIGUSR1)
-        _, stderr = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+    stderr = signal_after_steps(job, run_dir, 3, signal.SIGUSR1)
     assert job.returncode == 138, stderr[-3000:]
     assert "stopped by SIGUSR1 after step" in stderr and "requeued SLURM job 4242" in stderr
     assert calls.read_text().split() == ["requeue", "4242"]

@@ -59,6 +59,21 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return difference / scale if scale > 0 else (0.0 if difference == 0 else float("inf"))
 
 
+def _unmatched(x: dict, y: dict | None) -> str:
+    """Why two traced modules cannot be compared row by row ('' when they can)."""
+    if y is None:
+        return "missing in the second run"
+    if not (torch.equal(x["sample"], y["sample"]) and torch.equal(x["position"], y["position"])):
+        return "the runs traced different tokens"
+    if x["values"].shape != y["values"].shape:
+        return f"shapes {tuple(x['values'].shape)} vs {tuple(y['values'].shape)}"
+    return ""
+
+
+def _unmatched_diff(name: str, kind: str, note: str) -> ModuleDiff:
+    return ModuleDiff(name, kind, float("inf"), float("inf"), note=note)
+
+
 def compare_traces(a: dict, b: dict, rtol: float) -> list[ModuleDiff]:
     """Activations in a's execution order, then gradients in parameter order."""
     diffs = []
@@ -67,37 +82,10 @@ def compare_traces(a: dict, b: dict, rtol: float) -> list[ModuleDiff]:
         base = name.split("#")[0]
         calls[base] = calls.get(base, 0) + 1
     for name in a["order"]:
-        if name not in b["modules"]:
-            diffs.append(
-                ModuleDiff(
-                    name, "activation", float("inf"), float("inf"), note="missing in the second run"
-                )
-            )
-            continue
-        x, y = a["modules"][name], b["modules"][name]
-        if not (
-            torch.equal(x["sample"], y["sample"]) and torch.equal(x["position"], y["position"])
-        ):
-            diffs.append(
-                ModuleDiff(
-                    name,
-                    "activation",
-                    float("inf"),
-                    float("inf"),
-                    note="the runs traced different tokens",
-                )
-            )
-            continue
-        if x["values"].shape != y["values"].shape:
-            diffs.append(
-                ModuleDiff(
-                    name,
-                    "activation",
-                    float("inf"),
-                    float("inf"),
-                    note=f"shapes {tuple(x['values'].shape)} vs {tuple(y['values'].shape)}",
-                )
-            )
+        x, y = a["modules"][name], b["modules"].get(name)
+        problem = _unmatched(x, y)
+        if problem:
+            diffs.append(_unmatched_diff(name, "activation", problem))
             continue
         depth = mtp_depth(name, calls)
         if depth:  # tokens without a target at this depth reach no loss: their values are free
@@ -130,13 +118,7 @@ def compare_traces(a: dict, b: dict, rtol: float) -> list[ModuleDiff]:
         other = b["grads"].get(name)
         if other is None or other.shape != grad.shape:
             diffs.append(
-                ModuleDiff(
-                    name,
-                    "gradient",
-                    float("inf"),
-                    float("inf"),
-                    note="missing or shaped differently in the second run",
-                )
+                _unmatched_diff(name, "gradient", "missing or shaped differently in the second run")
             )
             continue
         diffs.append(

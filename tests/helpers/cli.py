@@ -69,3 +69,18 @@ def wait_for_steps(job: subprocess.Popen, run_dir, steps: int, timeout: float = 
         if time.monotonic() > deadline:
             raise AssertionError(f"the job did not train {steps} steps in {timeout:.0f} s")
         time.sleep(0.1)
+
+
+def signal_after_steps(job: subprocess.Popen, run_dir, steps: int, signum) -> str:
+    """Send `signum` to a job started by start_train_cli once it logged `steps` steps; returns
+    its stderr after it ended (the whole job is killed if it outlives two minutes)."""
+    import signal
+
+    try:
+        wait_for_steps(job, run_dir, steps)
+        job.send_signal(signum)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    return stderr
