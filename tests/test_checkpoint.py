@@ -144,6 +144,21 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_tp_resumes_both_ways(tmp_p
     assert result.steps_compared == 24
 
 
+@pytest.mark.distributed
+@pytest.mark.stack_independent
+def test_a_cp1_checkpoint_resumes_at_dp2_x_cp2_within_the_parity_tolerance(tmp_path, reference_cp1):
+    resumed = tmp_path / "resumed"
+    start = reference_cp1 / "checkpoints" / "step_00000016"
+    _train(resumed, f"trainer.resume={start}", "cp=2", "parallel.dp=2")
+    result = compare(load_run(resumed), load_run(reference_cp1), RTOL)
+    assert result.passed, [(d.metric, d.max_rel) for d in result.diffs]
+    assert ckpt.read_manifest(resumed / "checkpoints" / "step_00000024")["layout"] == {
+        "tp": 1,
+        "cp": 2,
+        "dp": 2,
+    }
+
+
 @pytest.mark.stack_independent
 def test_negative_control_a_wrong_data_position_fails_the_same_comparison(tmp_path, reference_cp1):
     """The within-tolerance checks above prove something only if a resume that restores the
