@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from recipe.compare.runs import Run, load_run
-from recipe.training.tokens import COLUMNS, read_token_records
+from recipe.training.tokens import read_token_records
 
 GOLDEN_FORMAT = 1
 
@@ -30,13 +30,20 @@ def export_golden(run_dir: str | Path, path: str | Path) -> Path:
         "config": run.config,
         "metrics": run.metrics,
         "tokens": {
-            str(step): {name: columns[name].tolist() for name in COLUMNS}
+            str(step): {name: _strict(values) for name, values in columns.items()}
             for step, columns in tokens.items()
         },
     }
     path = Path(path)
     path.write_text(json.dumps(golden) + "\n")
     return path
+
+
+def _strict(values: np.ndarray) -> list:
+    """NaN (no target at an MTP depth) as null: the file stays strict JSON."""
+    if values.dtype.kind != "f":
+        return values.tolist()
+    return [None if v != v else v for v in values.tolist()]
 
 
 def load_golden(path: str | Path) -> tuple[Run, dict]:
@@ -49,9 +56,15 @@ def load_golden(path: str | Path) -> tuple[Run, dict]:
     if not isinstance(golden, dict) or golden.get("format") != GOLDEN_FORMAT:
         raise ValueError(f"{path} is not a golden file of format {GOLDEN_FORMAT}")
     run = Run(path=path, metrics=golden["metrics"], config=golden["config"])
+    losses = {"lm_loss"} | {
+        name
+        for columns in golden.get("tokens", {}).values()
+        for name in columns
+        if name.startswith("mtp_loss_")
+    }
     tokens = {
         int(step): {
-            name: np.asarray(values, dtype=np.float64 if name == "lm_loss" else np.int64)
+            name: np.asarray(values, dtype=np.float64 if name in losses else np.int64)
             for name, values in columns.items()
         }
         for step, columns in golden.get("tokens", {}).items()

@@ -1,6 +1,7 @@
 """Per-token parity: two runs' recorded token losses, joined token by token, and where they differ.
 
-A loss curve averages thousands of tokens: the pre-fix preprocessing moves a step's loss by 3e-4
+Every recorded loss is compared: the next-token loss and, with mtp=on, each MTP depth's. A loss
+curve averages thousands of tokens: the pre-fix preprocessing moves a step's loss by 3e-4
 relative while the tokens it breaks are off by nats. Records (`trainer.record_tokens`) carry each
 predicted token's global identity (step, sample, position), so runs at any layouts line up; the
 comparison reports the distribution of |difference|, how many tokens exceed the tolerance, and
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recipe.training.tokens import TOKENS_DIR, read_token_records
+from recipe.training.tokens import TOKENS_DIR, loss_columns, read_token_records
 
 TOKEN_ATOL = 1e-5
 """Largest absolute per-token loss difference that passes (fp32 on CPU)."""
@@ -40,6 +41,8 @@ class TokenDiff:
     samples: list[tuple[int, int, int, int]] = field(default_factory=list)
     """(sample, flagged tokens, first flagged position, last flagged position), most first."""
     cp_size: int = 1
+    by_loss: dict[str, float] = field(default_factory=dict)
+    """Largest |difference| of each recorded loss (lm_loss, mtp_loss_1, ...)."""
 
 
 @dataclass
@@ -97,10 +100,21 @@ def compare_records(
     return TokenComparison(Path(run), Path(baseline), atol, diffs, problems)
 
 
+def _loss_delta(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """|x - y| per token; NaN on both sides (no target at this MTP depth) is no difference,
+    NaN on one side is an infinite one."""
+    delta = np.abs(x - y)
+    both = np.isnan(x) & np.isnan(y)
+    return np.where(both, 0.0, np.where(np.isnan(delta), np.inf, delta))
+
+
 def _diff(step: int, a: dict, b: dict, atol: float, cp_size: int) -> TokenDiff:
-    delta = np.abs(a["lm_loss"] - b["lm_loss"])
-    flagged = ~(delta <= atol)  # NaN counts as flagged
-    p50, p99, p999 = (float(np.quantile(delta, q)) for q in (0.5, 0.99, 0.999))
+    names = [n for n in loss_columns(a) if n in b]
+    per_loss = {n: _loss_delta(a[n], b[n]) for n in names}
+    delta = np.max(np.stack(list(per_loss.values())), axis=0)
+    flagged = ~(delta <= atol)
+    finite = np.nan_to_num(delta, posinf=np.finfo(np.float64).max)  # quantiles of a missing loss
+    p50, p99, p999 = (float(np.quantile(finite, q)) for q in (0.5, 0.99, 0.999))
     place = Counter(zip(a["cp_rank"].tolist(), a["chunk"].tolist()))
     bad_place = Counter(zip(a["cp_rank"][flagged].tolist(), a["chunk"][flagged].tolist()))
     samples = []
@@ -121,6 +135,7 @@ def _diff(step: int, a: dict, b: dict, atol: float, cp_size: int) -> TokenDiff:
         by_rank_chunk={k: (bad_place.get(k, 0), n) for k, n in sorted(place.items())},
         samples=samples,
         cp_size=cp_size,
+        by_loss={n: float(d.max()) if d.size else 0.0 for n, d in per_loss.items()},
     )
 
 
@@ -145,13 +160,15 @@ def render_token_report(comparison: TokenComparison) -> str:
     lines += [f"- {p}" for p in comparison.problems]
     if comparison.steps:
         lines += [
-            "| step | tokens | max abs | p50 | p99 | p99.9 | beyond atol | where |",
-            "|---|---|---|---|---|---|---|---|",
+            "| step | tokens | max abs | p50 | p99 | p99.9 | beyond atol | where "
+            "| max abs by loss |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for d in comparison.steps:
+            by_loss = ", ".join(f"{n} {v:.3g}" for n, v in d.by_loss.items())
             lines.append(
                 f"| {d.step} | {d.tokens} | {d.max_abs:.3g} | {d.p50:.3g} | {d.p99:.3g} | "
-                f"{d.p999:.3g} | {d.flagged} | {where(d)} |"
+                f"{d.p999:.3g} | {d.flagged} | {where(d)} | {by_loss} |"
             )
         first = next((d for d in comparison.steps if d.flagged), None)
         if first is not None:

@@ -25,6 +25,7 @@ by a version number, so a release in between behaves by what it actually does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -217,3 +218,24 @@ def check_te_cp_comm_type(comm_type: str, te_version: tuple[int, int] | None) ->
             f"cp.comm_type={comm_type} with packed sequences needs Transformer Engine >= "
             f"{needed[0]}.{needed[1]}, this one is {have}; use cp.comm_type=p2p (every 2.x)"
         )
+
+
+@contextlib.contextmanager
+def captured_token_losses(model):
+    """Every per-token loss the model computes in the forward passes inside the block, in call
+    order: megatron computes each MTP depth's loss with the model's own
+    `compute_language_model_loss` (looked up on the instance in 0.16 and 0.19), before the
+    main next-token loss. Yields the list the [b, s] losses are appended to."""
+    original = model.compute_language_model_loss
+    seen: list[torch.Tensor] = []
+
+    def keep(labels, logits):
+        loss = original(labels, logits)
+        seen.append(loss.detach())
+        return loss
+
+    model.compute_language_model_loss = keep
+    try:
+        yield seen
+    finally:
+        del model.compute_language_model_loss

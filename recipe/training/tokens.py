@@ -1,12 +1,12 @@
 """Per-token records: every predicted token's loss with its global identity and where it lived.
 
 For the steps in `trainer.record_tokens` each rank lists its predicted tokens as (sample, position,
-lm_loss, dp rank, cp rank, chunk): `sample` is the sequence's index within the step (steps hold the
-same whole sequences in the same order at every layout), `position` its place in the sequence,
-derived from the zigzag index, not from position_ids, so the identity stays right when the
-preprocessing is wrong. Rank 0 gathers them, sorts them into global order and writes
-`<run dir>/tokens/step_NNNNNNNN.npz`; two runs' records then line up token for token whatever
-their layouts (`python -m recipe.compare A B --per-token`).
+lm_loss, dp rank, cp rank, chunk, and with mtp=on one mtp_loss_k per depth): `sample` is the
+sequence's index within the step (steps hold the same whole sequences in the same order at every
+layout), `position` its place in the sequence, derived from the zigzag index, not from
+position_ids, so the identity stays right when the preprocessing is wrong. Rank 0 gathers them,
+sorts them into global order and writes `<run dir>/tokens/step_NNNNNNNN.npz`; two runs' records
+then line up token for token whatever their layouts (`python -m recipe.compare A B --per-token`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,25 @@ COLUMNS = ("sample", "position", "lm_loss", "dp_rank", "cp_rank", "chunk")
 _INTEGER = ("sample", "position", "dp_rank", "cp_rank", "chunk")
 
 
-def token_rows(batch, per_token_loss: torch.Tensor, samples: list[int], layout) -> torch.Tensor:
-    """[predicted tokens, len(COLUMNS)] float64 rows of one micro-batch on this rank."""
+def token_columns(mtp_layers: int) -> tuple[str, ...]:
+    """COLUMNS, then `mtp_loss_1` ... one per MTP depth: the loss of predicting the token k+1
+    ahead from this one, NaN where that token is outside the sequence."""
+    return COLUMNS + tuple(f"mtp_loss_{k + 1}" for k in range(mtp_layers))
+
+
+def loss_columns(records: dict) -> list[str]:
+    return [name for name in records if name == "lm_loss" or name.startswith("mtp_loss_")]
+
+
+def token_rows(
+    batch,
+    per_token_loss: torch.Tensor,
+    samples: list[int],
+    layout,
+    mtp_losses: list[torch.Tensor] = (),
+) -> torch.Tensor:
+    """[predicted tokens, len(token_columns(len(mtp_losses)))] float64 rows of one micro-batch
+    on this rank."""
     sequence, position, chunk = local_token_identity(
         batch.cu_seqlens_padded.cpu(), layout.cp_size, layout.cp_rank
     )
@@ -40,20 +57,30 @@ def token_rows(batch, per_token_loss: torch.Tensor, samples: list[int], layout) 
             torch.full((n,), float(layout.dp_rank), dtype=torch.float64),
             torch.full((n,), float(layout.cp_rank), dtype=torch.float64),
             chunk.double(),
+            *(
+                torch.where(
+                    batch.mtp_mask[k].cpu() > 0,
+                    loss.detach().reshape(-1).double().cpu(),
+                    torch.tensor(float("nan"), dtype=torch.float64),
+                )
+                for k, loss in enumerate(mtp_losses)
+            ),
         ],
         dim=1,
     )
     return rows[predicted]
 
 
-def write_token_records(run_dir: str | Path, step: int, parts: list[torch.Tensor]) -> Path:
+def write_token_records(
+    run_dir: str | Path, step: int, parts: list[torch.Tensor], names=COLUMNS
+) -> Path:
     """Every rank's rows of one step, in global order (sample, position), to an npz file."""
-    rows = torch.cat([p for p in parts if p.numel()] or [torch.zeros(0, len(COLUMNS))]).numpy()
+    rows = torch.cat([p for p in parts if p.numel()] or [torch.zeros(0, len(names))]).numpy()
     order = np.lexsort((rows[:, 1], rows[:, 0]))
     rows = rows[order]
     columns = {
         name: rows[:, i].astype(np.int64 if name in _INTEGER else np.float64)
-        for i, name in enumerate(COLUMNS)
+        for i, name in enumerate(names)
     }
     directory = Path(run_dir) / TOKENS_DIR
     directory.mkdir(parents=True, exist_ok=True)
@@ -72,5 +99,5 @@ def read_token_records(run_dir: str | Path) -> dict[int, dict[str, np.ndarray]]:
         if path.name.endswith(".tmp.npz"):
             continue
         with np.load(path) as data:
-            records[int(path.stem.split("_")[1])] = {k: data[k] for k in COLUMNS}
+            records[int(path.stem.split("_")[1])] = {k: data[k] for k in data.files}
     return records

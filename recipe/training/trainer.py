@@ -24,6 +24,7 @@ from recipe.data.corpus import Corpus, load_corpus
 from recipe.data.thd import aligned_length
 from recipe.launch.environment import read_environment
 from recipe.model.compat import (
+    captured_token_losses,
     check_te_cp_comm_type,
     confirm_mtp_backward_taken,
     install_exact_mtp_scaling,
@@ -60,8 +61,7 @@ from recipe.training.throughput import (
     linear_parameter_count,
     model_flops_per_step,
 )
-from recipe.training.tokens import COLUMNS as TOKEN_COLUMNS
-from recipe.training.tokens import token_rows, write_token_records
+from recipe.training.tokens import token_columns, token_rows, write_token_records
 from recipe.training.trace import ActivationTrace, gradients_of, write_trace
 
 
@@ -246,14 +246,23 @@ class Trainer:
                     batch.loss_mask.sum(),
                     batch.mtp_mask.sum(-1),
                 )
-            with autocast(self.device, self.precision):
+            recording = token_rows_out is not None and self.layout.tp_rank == 0  # tp ranks agree
+            with (
+                (
+                    captured_token_losses(self.model) if recording else contextlib.nullcontext()
+                ) as losses,
+                autocast(self.device, self.precision),
+            ):
                 output = forward_step(batch, self.model, self.cfg.passes_position_ids)
             if work.global_mtp_tokens:
                 confirm_mtp_backward_taken()
             loss_sum, num_tokens, report = loss_func(batch, output)
-            if token_rows_out is not None and self.layout.tp_rank == 0:  # tp ranks agree
+            if recording:
+                mtp_losses = losses[:-1]  # megatron computes the MTP depths' losses first
                 token_rows_out.append(
-                    token_rows(batch, output.per_token_loss, work.samples[index], self.layout)
+                    token_rows(
+                        batch, output.per_token_loss, work.samples[index], self.layout, mtp_losses
+                    )
                 )
             (loss_sum / work.global_predicted_tokens).backward()
             totals += torch.stack([report[name] for name in names])
@@ -294,11 +303,12 @@ class Trainer:
         return loss_sum / expected
 
     def _write_token_records(self, rows: list[torch.Tensor]) -> None:
-        mine = torch.cat(rows) if rows else torch.zeros(0, len(TOKEN_COLUMNS), dtype=torch.float64)
+        names = token_columns(self.cfg.mtp.num_layers if self.cfg.mtp.enabled else 0)
+        mine = torch.cat(rows) if rows else torch.zeros(0, len(names), dtype=torch.float64)
         with self._collectives_in("the per-token record gather"):
             parts = collectives.gather_to_main(mine)
         if self.layout.is_main and self.cfg.output_dir:
-            write_token_records(self.cfg.output_dir, self.step, parts)
+            write_token_records(self.cfg.output_dir, self.step, parts, names)
 
     def _write_trace(self, mine: dict) -> None:
         with self._collectives_in("the trace gather"):
