@@ -63,9 +63,9 @@ def test_mfu_in_the_record_when_a_peak_is_known():
         work_lengths = []
         original = trainer._plan
 
-        def spy(sequences):
+        def spy(sequences, *args):
             work_lengths.append([len(s) for s in sequences])
-            return original(sequences)
+            return original(sequences, *args)
 
         trainer._plan = spy
         record = trainer.train_step().to_record()
