@@ -33,12 +33,13 @@ def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 ATTENTION_BACKENDS = ("auto", "torch", "te")
-DATA_SOURCES = ("markov", "pydoc", "files")
+DATA_SOURCES = ("markov", "pydoc", "files", "shapes")
 WANDB_MODES = ("disabled", "offline", "online")
 CP_PREPROCESS = ("index", "verl_fixed", "verl_legacy")
 PRECISIONS = ("auto", "fp32", "bf16")
 CP_COMM_TYPES = ("p2p", "a2a", "all_gather")
 PASS_POSITION_IDS = ("auto", "mtp_only", "not_vision", "always", "never")
+VISION_POSITIONS = ("full_stream", "rank_local", "stock_sharded", "text_1d")
 
 
 @dataclass
@@ -73,8 +74,8 @@ class ModelConfig:
     same at every tp so that runs at different tp train the same model; must divide by tp."""
     pass_position_ids: str = "auto"
     """When the model call gets position_ids: auto (whenever learned positions or the MTP block
-    read them, never into a vision model) | mtp_only (verl after PR #6267) | not_vision (verl
-    before it) | always | never."""
+    read them; a vision model's rope ignores them by design) | mtp_only (verl after PR #6267) |
+    not_vision (verl before it) | always | never."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -146,6 +147,23 @@ class MarkovConfig:
 
 
 @dataclass
+class ShapesConfig:
+    """data=shapes: generated image-caption pairs (recipe/data/shapes.py)."""
+
+    num_train: int = 4000
+    num_eval: int = 200
+    image_size: int = 32
+    """Side of the square RGB images, in pixels."""
+    shuffle_images: bool = False
+    """Pair every caption with another sample's image (a negative control: the images then say
+    nothing about the captions, and the caption loss stays near the blind floor)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_train", "num_eval", "image_size"):
+            _positive(f"data.shapes.{name}", getattr(self, name))
+
+
+@dataclass
 class DataConfig:
     """Where documents come from and how they become token sequences."""
 
@@ -175,6 +193,7 @@ class DataConfig:
     """files: largest share of rows whose text is missing, null or not a string (they are skipped
     and counted); more is an error. Empty strings (blank lines) are skipped and counted only."""
     markov: MarkovConfig = field(default_factory=MarkovConfig)
+    shapes: ShapesConfig = field(default_factory=ShapesConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -310,12 +329,52 @@ class MTPConfig:
 
 @dataclass
 class VisionConfig:
-    """Small vision-language mode."""
+    """Small vision-language mode: a ViT encoder, a 2x2 patch merge and megatron's multimodal
+    projector in front of the GPT, with 3-D (mrope) positions."""
 
     enabled: bool = False
+    """vision=on / vision=off."""
+    patch_size: int = 4
+    """Pixels per side of a ViT patch; divides the image size."""
+    merge: int = 2
+    """Patches per side merged into one language-model token; divides the patch grid."""
+    num_layers: int = 2
+    """ViT transformer layers."""
+    hidden_size: int = 32
+    """ViT width."""
+    num_attention_heads: int = 2
+    ffn_hidden_size: int = 64
+    mrope_section: list[int] = field(default_factory=lambda: [4, 6, 6])
+    """Rotary channel pairs given to the (t, row, col) axes; sums to half the language model's
+    head dimension (Qwen2-VL's mrope_section)."""
+    positions: str = "full_stream"
+    """How the 3-D positions reach the rope: full_stream (computed on the whole packed stream,
+    handed to megatron's THD rope unsharded: correct) | rank_local (computed after CP sharding
+    from each rank's own tokens) | stock_sharded (sharded by megatron's stock
+    MultimodalRotaryEmbedding, right only for unpacked BSHD) | text_1d (1-D text positions on all
+    three axes). The last three are negative controls."""
 
     def __post_init__(self) -> None:
-        _require(not self.enabled, "vision=on is not available yet; use vision=off")
+        for name in (
+            "patch_size",
+            "merge",
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "ffn_hidden_size",
+        ):
+            _positive(f"vision.{name}", getattr(self, name))
+        _require(
+            self.hidden_size % self.num_attention_heads == 0,
+            f"vision.hidden_size={self.hidden_size} is not divisible by "
+            f"vision.num_attention_heads={self.num_attention_heads}",
+        )
+        _require(
+            len(self.mrope_section) == 3 and all(int(v) >= 0 for v in self.mrope_section),
+            f"vision.mrope_section={list(self.mrope_section)} must be three non-negative channel "
+            "counts (t, row, col)",
+        )
+        _one_of("vision.positions", self.positions, VISION_POSITIONS)
 
 
 @dataclass
@@ -501,6 +560,7 @@ class TrainConfig:
         )
 
         self._check_tensor_parallel()
+        self._check_vision()
         _require(
             not self.trainer.trace_steps or self.parallel.tp == 1,
             f"trainer.trace_steps needs parallel.tp=1 (a trace keeps whole hidden vectors; at "
@@ -530,6 +590,59 @@ class TrainConfig:
                 f"mtp=on needs position_ids (the MTP block embeds the shifted tokens at their "
                 f"positions), but {policy} passes none; use model.pass_position_ids=auto or always",
             )
+
+    def _check_vision(self) -> None:
+        """Vision mode's pairings, before any model is built."""
+        v, m, source = self.vision, self.model, self.data.source
+        if not v.enabled:
+            _require(
+                source != "shapes",
+                "data=shapes holds images and their captions; train it with vision=on (a text "
+                "model would see only placeholder tokens)",
+            )
+            return
+        _require(
+            source == "shapes",
+            f"vision=on needs a data source with images, but data.source={source} is text only; "
+            "use data=shapes (generated image-caption pairs)",
+        )
+        size, patch = self.data.shapes.image_size, v.patch_size
+        _require(
+            size % patch == 0,
+            f"data.shapes.image_size={size} is not a multiple of vision.patch_size={patch}; "
+            "choose an image size that the patches tile",
+        )
+        _require(
+            (size // patch) % v.merge == 0,
+            f"images of {size} px in patches of {patch} give a {size // patch} x {size // patch} "
+            f"patch grid, which vision.merge={v.merge} does not divide; choose vision.merge, "
+            "vision.patch_size or data.shapes.image_size so that it does",
+        )
+        head_dim = m.hidden_size // m.num_attention_heads
+        _require(
+            sum(v.mrope_section) * 2 == head_dim,
+            f"vision.mrope_section={list(v.mrope_section)} sums to {sum(v.mrope_section)}, but "
+            f"mrope needs half the head dimension: model.hidden_size / "
+            f"model.num_attention_heads / 2 = {head_dim // 2}",
+        )
+        _require(
+            m.position_embedding_type == "rope",
+            f"vision=on uses 3-D rotary positions (mrope) in place of model.position_embedding_"
+            f"type={m.position_embedding_type}; use model.position_embedding_type=rope",
+        )
+        _require(
+            self.parallel.tp == 1,
+            f"vision=on runs at parallel.tp=1 (the vision encoder is not split across "
+            f"tensor-parallel ranks); got parallel.tp={self.parallel.tp}: use cp and parallel.dp",
+        )
+
+    @property
+    def image_grid(self) -> tuple[int, int] | None:
+        """Merged patch grid (h, w) of one image (vision=on), else None."""
+        if not self.vision.enabled:
+            return None
+        side = self.data.shapes.image_size // self.vision.patch_size // self.vision.merge
+        return (side, side)
 
     def _check_tensor_parallel(self) -> None:
         """What tp splits must divide by tp: megatron would fail later, deep inside a layer."""
@@ -561,8 +674,9 @@ class TrainConfig:
             return not vision
         # auto: exactly when something reads them. With rope megatron derives positions from the
         # packed boundaries, so 1-D ids are only read by learned absolute embeddings and by the MTP
-        # block's embedding; a vision model builds its own 3-D ids and must not get 1-D ones.
-        return (mtp or self.model.position_embedding_type == "learned_absolute") and not vision
+        # block (which rolls them, and on megatron-core 0.16 fails without them). A vision model
+        # builds its own 3-D ids; its rope ignores 1-D ones by design (recipe/model/mrope.py).
+        return mtp or (self.model.position_embedding_type == "learned_absolute" and not vision)
 
     @property
     def parallel_dims(self) -> ParallelDims:

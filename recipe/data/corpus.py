@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from recipe.config import ConfigError, DataConfig
+from recipe.data.packing import ImageSequence
+from recipe.data.shapes import blind_floor, shapes_dataset
 from recipe.data.sources import file_documents, markov_documents, pydoc_documents
 from recipe.data.tokenizer import ByteTokenizer, FileTokenizer, load_tokenizer, split_long
 
@@ -29,7 +31,15 @@ class Corpus:
     """Mean -log P_true(label | context) over the eval labels (Markov source with the byte
     tokenizer only)."""
     baseline_loss: float
-    """Loss of the best context-free predictor on the eval labels: their unigram entropy."""
+    """Loss of the best context-free predictor on the eval labels: their unigram entropy (for
+    data=shapes: of the best model that cannot see the images)."""
+    image_token_id: int | None = None
+    """data=shapes: the placeholder id of a merged image patch, one past the tokenizer's ids."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the model embeds: the tokenizer's, plus the image placeholder."""
+        return self.tokenizer.vocab_size + (self.image_token_id is not None)
 
 
 def split_documents(
@@ -72,7 +82,51 @@ def unigram_entropy(sequences: list[list[int]]) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
+def shapes_corpus(cfg: DataConfig, grid: tuple[int, int]) -> Corpus:
+    """Image-caption sequences [BOS, one placeholder per merged patch, caption, EOS]; eval gets
+    its own seeded draw. With shuffle_images each caption is paired with another sample's image
+    (a negative control: nothing then links the two)."""
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    image_token_id = tokenizer.vocab_size
+    s = cfg.shapes
+    placeholders = [image_token_id] * (grid[0] * grid[1])
+
+    def sequences(num: int, seed: int) -> list[ImageSequence]:
+        data = shapes_dataset(num, s.image_size, seed).with_format("numpy")
+        images, captions = data["image"], data["caption"]
+        if s.shuffle_images:
+            images = images[np.random.default_rng(seed + 1).permutation(len(images))]
+        out = []
+        for image, text in zip(images, captions):
+            ids = tokenizer.encode(str(text))
+            out.append(ImageSequence(ids[:1] + placeholders + ids[1:], image))
+        return out
+
+    train = sequences(s.num_train, cfg.seed + 1)
+    eval_ = sequences(s.num_eval, cfg.seed + 2)
+    longest = max(len(x) for x in train + eval_)
+    if longest > cfg.max_seq_len:
+        raise ConfigError(
+            f"data=shapes sequences are up to {longest} tokens (BOS, {len(placeholders)} image "
+            f"tokens, caption, EOS), more than data.max_seq_len={cfg.max_seq_len}; raise "
+            "data.max_seq_len"
+        )
+    eval_ = cap_tokens(eval_, cfg.max_eval_tokens)
+    predicted = sum(sum(1 for t in x[1:] if t != image_token_id) for x in eval_)
+    return Corpus(
+        train,
+        eval_,
+        tokenizer,
+        entropy_floor=0.0,
+        baseline_loss=blind_floor(len(eval_), predicted),
+        image_token_id=image_token_id,
+    )
+
+
+def load_corpus(cfg: DataConfig, image_grid: tuple[int, int] | None = None) -> Corpus:
+    """The run's sequences; `image_grid` (the merged patch grid of one image) for data=shapes."""
+    if cfg.source == "shapes":
+        return shapes_corpus(cfg, image_grid)
     tokenizer = load_tokenizer(cfg.tokenizer)
     chain = None
     if cfg.source == "markov":

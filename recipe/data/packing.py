@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from recipe.data.thd import cu_seqlens_from_lengths, length_of_each_slot, padded_lengths
@@ -34,8 +35,20 @@ class PackedBatch:
     """Longest padded sequence (global)."""
     mtp_mask: torch.Tensor | None = None
     """[mtp layers, T] float: 1 where MTP layer k has a target in the same sequence (mtp=on)."""
+    image_slot: torch.Tensor | None = None
+    """[T] int64 (vision): -1 on text, else the token's index among the micro-batch's image
+    tokens (whose embeddings replace the placeholder's). Sharded like every per-token tensor."""
+    stream_image_slot: torch.Tensor | None = None
+    """[T_global] the same for the whole unsharded stream: never sharded, so the model can compute
+    3-D positions on the full stream on every rank."""
+    images: torch.Tensor | None = None
+    """[images, 3, H, W] float in [0, 1], in the order their tokens appear (not per token)."""
+    image_grids: torch.Tensor | None = None
+    """[images, 2] int64: each image's merged patch grid (h, w)."""
 
-    PER_TOKEN = ("input_ids", "position_ids", "labels", "loss_mask", "mtp_mask")
+    PER_TOKEN = ("input_ids", "position_ids", "labels", "loss_mask", "mtp_mask", "image_slot")
+    WHOLE = ("stream_image_slot", "images", "image_grids")
+    """Tensors every CP rank keeps whole."""
     TOKEN_DIMS = {"mtp_mask": -1}
 
     @property
@@ -53,6 +66,9 @@ class PackedBatch:
     def to(self, device) -> PackedBatch:
         """Every tensor on `device`: Transformer Engine's kernels want cu_seqlens there too."""
         moved = {k: v.to(device) for k, v in self.per_token().items()}
+        moved.update(
+            {n: getattr(self, n).to(device) for n in self.WHOLE if getattr(self, n) is not None}
+        )
         return self.replace(
             **moved,
             cu_seqlens=self.cu_seqlens.to(device),
@@ -99,4 +115,43 @@ def pack_sequences(sequences: list[list[int]], alignment: int, pad_id: int) -> P
         cu_seqlens=cu_seqlens_from_lengths(lengths_t),
         cu_seqlens_padded=cu_padded,
         max_seqlen=int(padded_t.max()),
+    )
+
+
+class ImageSequence(list):
+    """A token sequence (a list of ids) that carries its image: the ids hold one placeholder
+    token per merged patch where the image goes."""
+
+    def __init__(self, tokens, image):
+        super().__init__(tokens)
+        self.image = image
+        """[H, W, 3] uint8."""
+
+
+def attach_images(
+    batch: PackedBatch,
+    sequences: list[ImageSequence],
+    image_token_id: int,
+    grid: tuple[int, int],
+) -> PackedBatch:
+    """The global batch with its images: slots numbered over the placeholders in stream order,
+    the images in that order, and no loss on a label that is a placeholder (nothing predicts an
+    image token)."""
+    is_image = batch.input_ids == image_token_id
+    slot = torch.full_like(batch.input_ids, -1)
+    slot[is_image] = torch.arange(int(is_image.sum()))
+    per_image = grid[0] * grid[1]
+    found = [sum(1 for t in s if t == image_token_id) for s in sequences]
+    if any(n != per_image for n in found):
+        raise ValueError(
+            f"a sequence holds {found} image tokens, its image {per_image} ({grid[0]} x "
+            f"{grid[1]} merged patches)"
+        )
+    images = torch.from_numpy(np.stack([s.image for s in sequences])).permute(0, 3, 1, 2)
+    return batch.replace(
+        loss_mask=batch.loss_mask * (batch.labels != image_token_id),
+        image_slot=slot,
+        stream_image_slot=slot.clone(),
+        images=images.to(torch.float32) / 255.0,
+        image_grids=torch.tensor([grid] * len(sequences), dtype=torch.int64),
     )

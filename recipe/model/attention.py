@@ -122,3 +122,24 @@ class PackedCausalAttention(MegatronModule):
         return varlen_causal_attention(
             query, key, value, cu_padded, cp_size, cp_rank, self.softmax_scale
         )
+
+
+class ImageAttention(MegatronModule):
+    """Bidirectional core attention over the patches of each image (`sbhd`: [patches, images,
+    heads, dim]) for the vision encoder, on CPU and GPU alike. Images are never split across CP
+    ranks: every rank encodes the micro-batch's images whole."""
+
+    def __init__(self, config, layer_number: int, softmax_scale: float | None = None, **_unused):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, **_unused):
+        heads, groups = query.shape[2], key.shape[2]
+        if heads != groups:
+            key = key.repeat_interleave(heads // groups, dim=2)
+            value = value.repeat_interleave(heads // groups, dim=2)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [images, heads, s, d]
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale)
+        patches, images = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(patches, images, -1)

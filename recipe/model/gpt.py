@@ -50,6 +50,7 @@ def build_transformer_config(
     mtp_cfg=None,
     deterministic: bool = True,
     cp_comm_type: str = "p2p",
+    mrope_section: list[int] | None = None,
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -84,6 +85,7 @@ def build_transformer_config(
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
+        mrope_section=list(mrope_section) if mrope_section else None,
     )
 
 
@@ -137,11 +139,13 @@ def build_gpt_model(
     device: torch.device | None = None,
     deterministic: bool = True,
     cp_comm_type: str = "p2p",
+    mrope_section: list[int] | None = None,
 ):
     """A GPTModel with identical initial weights on every rank that shares `seed`.
 
     With `mtp_cfg.enabled` it carries megatron-core's multi-token-prediction block, built from the
-    same layer spec, so the recipe's attention backend runs inside the MTP layers too.
+    same layer spec, so the recipe's attention backend runs inside the MTP layers too. With
+    `mrope_section` its rope is megatron's 3-D (mrope) variant, for vision mode.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -156,6 +160,7 @@ def build_gpt_model(
         mtp_cfg=mtp_cfg,
         deterministic=deterministic,
         cp_comm_type=cp_comm_type,
+        mrope_section=mrope_section,
     )
     layer_spec = build_layer_spec(backend)
     decoder_spec = layer_spec
@@ -183,7 +188,7 @@ def build_gpt_model(
         post_process=True,
         parallel_output=True,
         share_embeddings_and_output_weights=model_cfg.tie_embeddings,
-        position_embedding_type=model_cfg.position_embedding_type,
+        position_embedding_type="mrope" if mrope_section else model_cfg.position_embedding_type,
         rotary_base=model_cfg.rotary_base,
     )
     # Built on the CPU so every rank and device type starts from the same weights, then moved.

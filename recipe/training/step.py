@@ -17,11 +17,11 @@ import torch
 
 from recipe.config import TrainConfig
 from recipe.data.batching import plan_micro_batches, split_across_ranks
-from recipe.data.packing import PackedBatch, pack_sequences
+from recipe.data.packing import PackedBatch, attach_images, pack_sequences
 from recipe.data.thd import aligned_length
 from recipe.model.compat import take_mtp_loss_means
 from recipe.model.gpt import packed_seq_params
-from recipe.model.mtp import global_mtp_token_counts, mtp_label_masks
+from recipe.model.mtp import predicted_token_counts, rolled_loss_masks
 from recipe.parallel.cp.shard import shard_batch
 from recipe.parallel.layout import ParallelLayout
 
@@ -68,9 +68,11 @@ def plan_step(
     pad_id: int,
     device: torch.device,
     check_preprocess: bool = False,
+    image_token_id: int | None = None,
 ) -> StepWork:
     """Split a step across DP ranks, into micro-batches, and shard each for this CP rank
-    (checking a user's cp.preprocess function on them when `check_preprocess`)."""
+    (checking a user's cp.preprocess function on them when `check_preprocess`). With
+    `image_token_id` (vision), the sequences carry images that travel with their micro-batch."""
     lengths = [len(s) for s in sequences]
     alignment = cfg.alignment
     per_rank = split_across_ranks(lengths, layout.dp_size, alignment)
@@ -84,11 +86,12 @@ def plan_step(
     mtp_layers = cfg.mtp.num_layers if cfg.mtp.enabled else 0
     micro_batches = []
     for micro in plans[layout.dp_rank]:
-        batch = pack_sequences([sequences[mine[j]] for j in micro], alignment, pad_id)
+        chosen = [sequences[mine[j]] for j in micro]
+        batch = pack_sequences(chosen, alignment, pad_id)
+        if image_token_id is not None:
+            batch = attach_images(batch, chosen, image_token_id, cfg.image_grid)
         if mtp_layers:
-            masks = mtp_label_masks(
-                batch.position_ids, batch.tokens_per_sequence_length(), mtp_layers
-            )
+            masks = rolled_loss_masks(batch.loss_mask, batch.cu_seqlens_padded, mtp_layers)
             batch = batch.replace(mtp_mask=masks)
         local = shard_batch(
             batch,
@@ -99,13 +102,14 @@ def plan_step(
             check=check_preprocess,
         )
         micro_batches.append(local.to(device))
+    predicted, mtp_targets = predicted_token_counts(sequences, mtp_layers, image_token_id)
     return StepWork(
         micro_batches=micro_batches,
-        global_predicted_tokens=sum(n - 1 for n in lengths),
+        global_predicted_tokens=predicted,
         global_real_tokens=sum(lengths),
         global_padded_tokens=sum(aligned_length(n, alignment) for n in lengths),
         global_micro_batches=sum(len(p) for p in plans),
-        global_mtp_tokens=global_mtp_token_counts(lengths, mtp_layers),
+        global_mtp_tokens=mtp_targets,
         lengths=lengths,
         samples=[[mine[j] for j in micro] for micro in plans[layout.dp_rank]],
     )
@@ -125,6 +129,8 @@ def forward_step(batch: PackedBatch, model, pass_position_ids: bool = True) -> F
     kwargs = {}
     if batch.mtp_mask is not None:
         kwargs["loss_mask"] = batch.loss_mask.unsqueeze(0)  # megatron rolls it per MTP layer
+    if batch.images is not None:
+        kwargs["batch"] = batch  # images, their slots and the stream for the 3-D positions
     per_token = model(
         input_ids=batch.input_ids.unsqueeze(0),
         position_ids=batch.position_ids.unsqueeze(0) if pass_position_ids else None,

@@ -22,9 +22,9 @@ import torch
 from recipe.parallel.cp.zigzag import local_token_identity
 
 TRACE_DIR = "trace"
-# A module whose output is a table, not per-token values, though one of its sizes may equal the
-# token count.
-_NOT_PER_TOKEN = ("rotary_pos_emb",)
+# Modules whose output is a table (rope) or per-patch values (the vision encoder), not per-token
+# values, though one of its sizes may equal the token count.
+_NOT_PER_TOKEN = ("rotary_pos_emb", "vision_")
 
 
 class ActivationTrace:

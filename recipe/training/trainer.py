@@ -38,6 +38,7 @@ from recipe.model.numerics import (
     check_backend_and_precision,
     resolve_precision,
 )
+from recipe.model.vision import language_model_of
 from recipe.parallel import collectives, groups
 from recipe.parallel.layout import ParallelLayout
 from recipe.training.checkpoint import (
@@ -90,7 +91,7 @@ class Trainer:
         self.precision = resolve_precision(cfg.trainer.precision, device)
         """fp32 or bf16 (autocast around every forward), resolved for this device."""
         self.corpus = corpus
-        self.model = build_model(cfg, corpus.tokenizer.vocab_size, device)
+        self.model = build_model(cfg, corpus.vocab_size, device, layout.cp_rank)
         self.optimizer = build_optimizer(self.model, cfg)
         self.linear_params = linear_parameter_count(self.model)
         self.attention_layers = cfg.model.num_layers + (
@@ -118,6 +119,7 @@ class Trainer:
             self.corpus.tokenizer.pad_id,
             self.device,
             check_preprocess,
+            self.corpus.image_token_id,
         )
 
     def train(self) -> dict:
@@ -249,7 +251,9 @@ class Trainer:
             recording = token_rows_out is not None and self.layout.tp_rank == 0  # tp ranks agree
             with (
                 (
-                    captured_token_losses(self.model) if recording else contextlib.nullcontext()
+                    captured_token_losses(language_model_of(self.model))
+                    if recording
+                    else contextlib.nullcontext()
                 ) as losses,
                 autocast(self.device, self.precision),
             ):
@@ -385,12 +389,17 @@ class Trainer:
         self.history = list(state["history"])
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | None = None):
+def build_model(
+    cfg: TrainConfig, vocab_size: int, device: torch.device | None = None, cp_rank: int = 0
+):
+    """The run's model, the same initial weights on every rank; `cp_rank` tells a vision model
+    which tokens are its own (for the negative-control position deliveries)."""
     from recipe.model.gpt import build_gpt_model
 
     if cfg.mtp.enabled and cfg.mtp.scaling == "exact":
         install_exact_mtp_scaling()
-    return build_gpt_model(
+    vision = cfg.vision.enabled
+    model = build_gpt_model(
         cfg.model,
         mtp_cfg=cfg.mtp,
         vocab_size=vocab_size,
@@ -399,10 +408,24 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device | None =
         cp_size=cfg.cp.size,
         tp_size=cfg.parallel.tp,
         sequence_parallel=cfg.parallel.sequence_parallel,
-        device=device,
+        device=None if vision else device,
         deterministic=cfg.trainer.deterministic,
         cp_comm_type=cfg.cp.comm_type,
+        mrope_section=cfg.vision.mrope_section if vision else None,
     )
+    if not vision:
+        return model
+    from recipe.model.vision import build_vision_language_model
+
+    model = build_vision_language_model(
+        model,
+        cfg.vision,
+        cfg.data.shapes.image_size,
+        seed=cfg.trainer.seed,
+        cp_size=cfg.cp.size,
+        cp_rank=cp_rank,
+    )
+    return model.to(device) if device is not None else model
 
 
 def check_run_choices(cfg: TrainConfig, device: torch.device) -> None:
@@ -436,7 +459,7 @@ def train(cfg: TrainConfig) -> dict:
         seed_model_parallel_rng(cfg.trainer.seed)
         check_run_choices(cfg, env.device)
         apply_determinism(cfg.trainer.deterministic)
-        corpus = load_corpus(cfg.data)
+        corpus = load_corpus(cfg.data, cfg.image_grid)
         trainer = Trainer(cfg, layout, env.device, corpus)
         checkpoint = resolve_resume(cfg.trainer.resume, cfg.output_dir)
         changes = trainer.restore(checkpoint) if checkpoint else []
