@@ -43,10 +43,12 @@ class Run:
 
     @property
     def is_reference_layout(self) -> bool:
+        """One rank of everything, and (vision) positions delivered whole."""
         return (
             self.cp == 1
             and int(self.config.get("parallel.dp", 1)) == 1
             and int(self.config.get("parallel.tp", 1)) == 1
+            and self.config.get("vision.positions", "full_stream") == "full_stream"
         )
 
 

@@ -92,8 +92,8 @@ def shapes_corpus(cfg: DataConfig, grid: tuple[int, int]) -> Corpus:
     placeholders = [image_token_id] * (grid[0] * grid[1])
 
     def sequences(num: int, seed: int) -> list[ImageSequence]:
-        data = shapes_dataset(num, s.image_size, seed).with_format("numpy")
-        images, captions = data["image"], data["caption"]
+        rows = shapes_dataset(num, s.image_size, seed).with_format("numpy")[:]
+        images, captions = rows["image"].astype(np.uint8), rows["caption"]  # stored as uint8
         if s.shuffle_images:
             images = images[np.random.default_rng(seed + 1).permutation(len(images))]
         out = []

@@ -157,8 +157,14 @@ class VisionLanguageModel(torch.nn.Module):
                     batch.image_grids,
                 )
                 mine = rope_table(self.rope, local, self.mrope_section)
-            else:  # stock_sharded: megatron's module shards the stream as one BSHD sequence
-                mine = rope_table(self.rope, ids, self.mrope_section, cp_group=self.rope.cp_group)
+            else:
+                # stock_sharded: megatron's MultimodalRotaryEmbedding shards its table with
+                # get_pos_emb_on_this_cp_rank, chunks r and 2cp-1-r of the WHOLE stream as if it
+                # were one sequence (that function needs CUDA; the same rule by the recipe's
+                # index, checked against it in tests/test_vision.py).
+                whole = torch.tensor([0, int(cu[-1])], dtype=torch.int32)
+                rows = zigzag_index(whole, self.cp_size, self.cp_rank).to(cu.device)
+                mine = rope_table(self.rope, ids, self.mrope_section)[rows]
             index = zigzag_index(cu.cpu(), self.cp_size, self.cp_rank).to(cu.device)
             table = mine.new_zeros((int(cu[-1]),) + tuple(mine.shape[1:]))
             table[index] = mine  # each local token gets the row computed for it

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from recipe.config import TrainConfig
 from recipe.errors import ConfigError
 from recipe.parallel import collectives
 
@@ -43,7 +44,7 @@ _NAME = re.compile(r"^step_(\d+)$")
 # What a resumed run must share with the run that wrote the checkpoint: the model's shapes and
 # the data stream. Layout (tp, cp, dp, micro-batching) may differ; optimizer and schedule
 # settings may be changed on purpose and are reported.
-MUST_MATCH = ("model", "mtp", "data", "batching.tokens_per_step")
+MUST_MATCH = ("model", "mtp", "vision", "data", "batching.tokens_per_step")
 REPORTED = ("optim", "trainer.max_steps")
 
 
@@ -118,6 +119,7 @@ def config_fingerprint(cfg) -> dict:
         {
             "model": asdict(cfg.model),
             "mtp": asdict(cfg.mtp),
+            "vision": asdict(cfg.vision),
             "data": asdict(cfg.data),
             "batching": asdict(cfg.batching),
             "optim": asdict(cfg.optim),
@@ -131,6 +133,10 @@ def resume_differences(manifest: dict, cfg) -> list[str]:
     """The settings changed since the checkpoint that are allowed to change (as `key: old ->
     new`); raises ConfigError when one that must match differs."""
     old, new = manifest["config"], config_fingerprint(cfg)
+    # A key the checkpoint does not know was added by a later recipe; at its default it is the
+    # behaviour the checkpoint was written with.
+    defaults = config_fingerprint(TrainConfig())
+    old = {**{k: v for k, v in defaults.items() if k not in old and k in new}, **old}
 
     def changed(prefixes):
         keys = sorted(k for k in set(old) | set(new) if k.startswith(prefixes))
