@@ -258,3 +258,42 @@ def test_stock_sharding_rule_is_megatrons(monkeypatch):
             stock = rope_utils.get_pos_emb_on_this_cp_rank(table, 0, group)
             ours = table[zigzag_index(torch.tensor([0, 48], dtype=torch.int32), cp, rank)]
             assert torch.equal(stock, ours)
+
+
+# --- the position_ids policy with a vision model ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mtp, policies", [("off", ["auto", "always"]), ("on", ["mtp_only", "always"])]
+)
+def test_1d_position_ids_never_reach_mrope(mtp, policies):
+    """Passing 1-D text ids (as PR #6267's mtp_only does with MTP, or always) changes nothing
+    in a vision model: every policy that runs trains bit-identically to auto."""
+    base = train(typed_config([*VISION, f"mtp={mtp}", "trainer.max_steps=2"]))["history"]
+    for policy in policies:
+        cfg = typed_config(
+            [*VISION, f"mtp={mtp}", "trainer.max_steps=2", f"model.pass_position_ids={policy}"]
+        )
+        history = train(cfg)["history"]
+        keys = ["lm_loss", "grad_norm"] + (["mtp_loss"] if mtp == "on" else [])
+        assert [[h[k] for k in keys] for h in history] == [[h[k] for k in keys] for h in base]
+
+
+@pytest.mark.parametrize("policy", ["not_vision", "never"])
+def test_vision_with_mtp_refuses_policies_that_pass_no_ids(policy):
+    with pytest.raises(ConfigError, match="mtp=on needs position_ids"):
+        typed_config([*VISION, "mtp=on", f"model.pass_position_ids={policy}"])
+
+
+def test_stock_mrope_cannot_take_1d_ids():
+    """Why the recipe's rope ignores 1-D ids rather than passing them on: megatron's own module
+    reads them as [3, b, s] and fails."""
+    from recipe.model.gpt import build_gpt_model
+
+    cfg = typed_config(VISION)
+    with lone_world():
+        model = build_gpt_model(
+            cfg.model, vocab_size=259, max_sequence_length=64, seed=5, mrope_section=[2, 3, 3]
+        )
+        with pytest.raises((IndexError, RuntimeError)):
+            model.rotary_pos_emb(torch.arange(8).unsqueeze(0), [2, 3, 3])
