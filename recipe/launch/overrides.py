@@ -1,5 +1,6 @@
 """Let `cp=2` select the config group option `cp/2.yaml`, and refuse a group option that does not
-exist before Hydra does (Hydra's own error exits 1 and lists nothing to do instead).
+exist (or a launcher whose plugin is not installed) before Hydra does (Hydra's own error exits 1
+and lists nothing to do instead).
 
 Hydra parses `cp=2` as an integer and refuses it as a group choice ("Config group override must be
 a string"). Quoting the value on the way in keeps the documented command line (`cp=2`,
@@ -40,13 +41,34 @@ def single_run_dir_for_rank(args: list[str], environ: dict[str, str]) -> list[st
     """
     if read_environment(environ).rank == 0:
         return args
-    return [
-        *args,
-        "hydra.run.dir=.",
-        "hydra.output_subdir=null",
-        "hydra/job_logging=disabled",
-        "hydra/hydra_logging=disabled",
-    ]
+    return [*args, "hydra.run.dir=.", *QUIET_HYDRA_OUTPUTS]
+
+
+# What a rank other than 0 adds so that it writes no Hydra files or logs (its warnings and errors
+# still reach its own stderr, which the launcher keeps per rank).
+QUIET_HYDRA_OUTPUTS = (
+    "hydra.output_subdir=null",
+    "hydra/job_logging=disabled",
+    "hydra/hydra_logging=disabled",
+)
+
+# The launchers that need hydra-submitit-launcher: the recipe's own (conf/hydra/launcher/) and
+# the plugin's.
+SUBMITIT_LAUNCHERS = ("slurm", "local_tasks", "submitit_slurm", "submitit_local")
+
+
+def check_launcher_plugin(args: list[str], plugin_installed: bool) -> str | None:
+    """A message when a submitit launcher is asked for without the plugin, else None. Hydra's own
+    error for it names a missing config and lists the launchers it knows, not the install."""
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+") == "hydra/launcher" and value in SUBMITIT_LAUNCHERS:
+            if not plugin_installed:
+                return (
+                    f"hydra/launcher={value} needs hydra-submitit-launcher, which is not "
+                    'installed: pip install -e ".[slurm]"'
+                )
+    return None
 
 
 # What to use when a group has no file for the option asked for.
