@@ -181,6 +181,9 @@ def test_sbatch_script_trains_one_world_in_one_run_directory(tmp_path):
     run = tmp_path / "run"
     assert _steps(run) == [1, 2, 3], "rank 0 alone writes metrics"
     assert len(list(tmp_path.rglob(".hydra"))) == 1 and not (ROOT / ".hydra").exists()
+    shards = sorted(p.name for p in (run / "checkpoints").rglob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"], "every rank's shard in the run directory"
+    assert not (ROOT / "checkpoints").exists()
     log = (run / "train.log").read_text()
     port = port_for_job(4242)
     assert "joining a world of 2 ranks started outside the recipe (RANK=0 WORLD_SIZE=2 " in log
@@ -336,6 +339,7 @@ def test_two_torchrun_agents_train_cp2_as_cp1_does(tmp_path):
     assert [job.returncode for job in jobs] == [0, 0, 0], errors
     assert _steps(run_dir) == [1, 2, 3]
     assert len(list(tmp_path.rglob(".hydra"))) == 2, "one per run, none from rank 1"
+    assert {p.parent.parent for p in tmp_path.rglob("__1_0.distcp")} == {run_dir / "checkpoints"}
     result = compare(load_run(run_dir), load_run(reference), rtol=RTOL)
     assert result.passed and result.steps_compared == STEPS, result
     assert {d.metric for d in result.diffs} >= {"lm_loss", "grad_norm"}

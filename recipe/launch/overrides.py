@@ -36,11 +36,16 @@ def single_run_dir_for_rank(args: list[str], environ: dict[str, str]) -> list[st
     """Under torchrun or SLURM every rank runs Hydra; only rank 0 may create a run directory.
 
     Each rank would otherwise make its own timestamped folder (or, in the same second, share one
-    with another job). Ranks other than 0 therefore run in the current directory and write no
-    Hydra files or logs; rank 0's directory is the job's one output directory.
+    with another job). Ranks other than 0 therefore write no Hydra files or logs; they keep a
+    `hydra.run.dir` given on the command line (where checkpoints gather every rank's shard) and
+    otherwise run in the current directory. Rank 0's directory is the job's one output directory.
     """
     if read_environment(environ).rank == 0:
         return args
+    if any(arg.startswith("hydra.run.dir=") for arg in args):
+        # The job's directory, named on every rank's command line (train.sbatch, the README's
+        # torchrun): every rank must write its checkpoint shards there, rank 0 alone the rest.
+        return [*args, *QUIET_HYDRA_OUTPUTS]
     return [*args, "hydra.run.dir=.", *QUIET_HYDRA_OUTPUTS]
 
 
