@@ -41,6 +41,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/hadolint Dockerfile
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/preprocess.py

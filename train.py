@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from recipe.config import register_configs
 from recipe.launch.overrides import (
     check_group_choices,
+    check_launcher_plugin,
     quote_numeric_group_choices,
     single_run_dir_for_rank,
 )
@@ -28,7 +29,12 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    problem = check_group_choices(sys.argv[1:], Path(__file__).parent / "conf")
+    from importlib.util import find_spec
+
+    plugin = find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    problem = check_launcher_plugin(sys.argv[1:], plugin) or check_group_choices(
+        sys.argv[1:], Path(__file__).parent / "conf"
+    )
     if problem:
         print(f"config error: {problem}", file=sys.stderr)
         sys.exit(2)

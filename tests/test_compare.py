@@ -212,6 +212,7 @@ def _hydra_config(tmp_path: Path, run_dir: Path, **compare):
             "compare": {"rtol": 1e-5, "baseline": "auto", "fail_exit_code": True, **compare},
             "hydra": {
                 "runtime": {"output_dir": str(run_dir)},
+                "job": {"num": int(run_dir.name) if run_dir.name.isdigit() else 0},
                 "sweep": {"dir": str(tmp_path), "params": {"cp": "1,2"}},
                 "overrides": {"task": ["trainer.max_steps=3"]},
             },
@@ -256,8 +257,10 @@ def test_a_sweep_that_fails_parity_exits_1_and_leaves_no_stale_report(tmp_path):
     assert "0 passed, 1 failed" in (tmp_path / "parity_report.md").read_text()
     quiet = ParityReportCallback()
     quiet.on_multirun_start(_hydra_config(tmp_path, tmp_path, fail_exit_code=False))
-    quiet.job_dirs = [tmp_path / "0", tmp_path / "1"]
+    for name in ("0", "1"):
+        quiet.on_job_end(_hydra_config(tmp_path, tmp_path / name), _job_return(failed=False))
     quiet.on_multirun_end(_hydra_config(tmp_path, tmp_path))  # reports FAIL, exits 0
+    assert "0 passed, 1 failed" in (tmp_path / "parity_report.md").read_text()
 
 
 def test_a_bad_compare_baseline_stops_the_sweep_before_any_job(tmp_path):

@@ -135,6 +135,10 @@ def test_only_rank_0_gets_a_hydra_run_directory():
     other = single_run_dir_for_rank(args, {"RANK": "1", "WORLD_SIZE": "2"})
     assert other[:1] == args and "hydra.run.dir=." in other and "hydra.output_subdir=null" in other
     assert single_run_dir_for_rank(args, {"SLURM_PROCID": "2"}) == args  # no rendezvous: lone
+    named = single_run_dir_for_rank(
+        [*args, "hydra.run.dir=/runs/a"], {"RANK": "1", "WORLD_SIZE": "2"}
+    )
+    assert "hydra.run.dir=." not in named and "hydra.output_subdir=null" in named, "shards go there"
     assert "hydra.run.dir=." in single_run_dir_for_rank(
         args, {"SLURM_PROCID": "2", "MASTER_ADDR": "n1"}
     )

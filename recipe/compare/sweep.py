@@ -1,12 +1,17 @@
 """Hydra callback: at the end of every multirun, judge the jobs against their baselines.
 
 Jobs run one after another with Hydra's basic launcher, each in its own numbered directory and
-each launching its own ranks. The callback remembers every job's directory as it finishes and, when
-the sweep ends, writes `parity_report.md` and `loss_curves.png` into the sweep directory (and only
-there, and only in a multirun: a single run, or a torchrun rank, writes no report). At the start it
+each launching its own ranks; with the submitit launchers (hydra/launcher=slurm, submitit_local)
+they run at the same time, each in a process of its own, and Hydra calls `on_job_end` there, in
+the job, while `on_multirun_end` runs in the process that submitted the sweep. So every job records
+how it ended in a file of its own under `<sweep dir>/.jobs/` (rank 0 only), and the report is
+built from those files: the same in either case. When the sweep ends the callback writes
+`parity_report.md` and `loss_curves.png` into the sweep directory (and only there, and only in a
+multirun: a single run, or a torchrun rank, writes no report). At the start it
 removes a previous sweep's report from a reused sweep directory and checks `compare.*` against the
 sweep's job count, so a bad baseline stops the sweep before the first job. A failed job stops the
-sweep; the report is then written at once, with the failure in it. A report with a FAIL makes the
+sweep; the report is then written at once, with the failure in it (and again as each job still
+running ends, so that the last one leaves the whole picture). A report with a FAIL makes the
 sweep exit 1 (`compare.fail_exit_code`). It prints rather
 than logs: it runs in Hydra's launcher process after the jobs, where logging carries Hydra's own
 `[HYDRA]` prefix and no job's train.log is the right file; the report is its own file.
@@ -14,6 +19,11 @@ than logs: it runs in Hydra's launcher process after the jobs, where logging car
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from recipe.compare.report import PLOT_FILE, REPORT_FILE, write_report
 from recipe.compare.runs import find_runs
 from recipe.config import CompareConfig, ConfigError
+from recipe.launch.environment import read_environment
 from recipe.training.loggers import METRICS_FILE
 
 
@@ -52,10 +63,46 @@ def check_compare_config(config: DictConfig, jobs: int | None) -> CompareConfig:
     return compare
 
 
+JOBS_DIR = ".jobs"
+"""Under the sweep directory: one `<job number>.json` per finished job, written by the job."""
+
+
+def record_job(sweep_dir: Path, job_num: int, output_dir: Path, error: str | None) -> None:
+    """Note how a job ended, in a file of its own (jobs end concurrently under submitit)."""
+    jobs = sweep_dir / JOBS_DIR
+    jobs.mkdir(parents=True, exist_ok=True)
+    entry = {
+        "num": int(job_num),
+        "output_dir": str(output_dir),
+        "metrics": (output_dir / METRICS_FILE).exists(),
+        "error": error,
+    }
+    partial = jobs / f".{job_num}.json.partial"
+    partial.write_text(json.dumps(entry))
+    partial.replace(jobs / f"{job_num}.json")  # a reader never sees half an entry
+
+
+def recorded_jobs(sweep_dir: Path) -> tuple[list[Path], list[tuple[str, str]]]:
+    """The directories of jobs that wrote metrics and the (job, first error line) of failed
+    ones, in job order."""
+    entries = [json.loads(p.read_text()) for p in (sweep_dir / JOBS_DIR).glob("*.json")]
+    entries.sort(key=lambda e: e["num"])
+    job_dirs = [Path(e["output_dir"]) for e in entries if e["metrics"]]
+    failures = [(Path(e["output_dir"]).name, e["error"]) for e in entries if e["error"]]
+    return job_dirs, failures
+
+
+@contextlib.contextmanager
+def _report_lock(sweep_dir: Path):
+    """Jobs that end at the same moment take turns writing the report."""
+    (sweep_dir / JOBS_DIR).mkdir(parents=True, exist_ok=True)
+    with open(sweep_dir / JOBS_DIR / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 class ParityReportCallback(Callback):
     def __init__(self) -> None:
-        self.job_dirs: list[Path] = []
-        self.failures: list[tuple[str, str]] = []
         self.compare_cfg: CompareConfig | None = None
         self.sweep_dir: Path | None = None
         """Set only in a multirun: reports belong to sweeps."""
@@ -67,6 +114,7 @@ class ParityReportCallback(Callback):
             print(f"config error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
         self.sweep_dir = Path(config.hydra.sweep.dir)
+        shutil.rmtree(self.sweep_dir / JOBS_DIR, ignore_errors=True)
         for name in (REPORT_FILE, PLOT_FILE):
             # A reused sweep directory must not show an old verdict if this sweep ends early.
             (self.sweep_dir / name).unlink(missing_ok=True)
@@ -74,18 +122,24 @@ class ParityReportCallback(Callback):
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
         if self.sweep_dir is None:
             return
+        if read_environment(os.environ).rank != 0:
+            return  # another task of the same multi-task job: rank 0 speaks for it
         output_dir = Path(config.hydra.runtime.output_dir)
-        if (output_dir / METRICS_FILE).exists():
-            self.job_dirs.append(output_dir)
+        error = None
         if job_return.status == JobStatus.FAILED:
-            error = str(job_return._return_value).strip().splitlines()
-            self.failures.append((output_dir.name, error[0] if error else "unknown error"))
-            self._write()  # Hydra then stops the sweep with the job's error (exit 1)
+            lines = str(job_return._return_value).strip().splitlines()
+            error = lines[0] if lines else "unknown error"
+        record_job(self.sweep_dir, config.hydra.job.num, output_dir, error)
+        _, failures = recorded_jobs(self.sweep_dir)
+        if failures:  # Hydra then stops the sweep with the job's error (exit 1)
+            with _report_lock(self.sweep_dir):
+                self._write()
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         if self.sweep_dir is None:
             return
-        if not self.job_dirs:
+        job_dirs, _ = recorded_jobs(self.sweep_dir)
+        if not job_dirs:
             print("parity report: no job wrote metrics, nothing to compare")
             self._exit_if_failed(passed=False)
             return
@@ -98,7 +152,8 @@ class ParityReportCallback(Callback):
     def _write(self) -> bool:
         """Write the report into the sweep directory; True when every comparison passed."""
         sweep_dir = self.sweep_dir
-        runs = find_runs(self.job_dirs) if self.job_dirs else []
+        job_dirs, failures = recorded_jobs(sweep_dir)
+        runs = find_runs(job_dirs) if job_dirs else []
         choice = str(self.compare_cfg.baseline)
         baseline = None
         if choice != "auto":
@@ -115,7 +170,7 @@ class ParityReportCallback(Callback):
             sweep_dir,
             rtol=float(self.compare_cfg.rtol),
             baseline=baseline,
-            failures=self.failures,
+            failures=failures,
         )
         print(report)
         verdict = "all PASS" if passed else "some FAIL"

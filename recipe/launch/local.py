@@ -30,10 +30,10 @@ def _worker(cfg: TrainConfig) -> dict:
         raise SystemExit(err.exit_code) from None
 
 
-# The agent forwards these to the ranks (and ends them 30 s later); SIGUSR1, SLURM's warning
-# before a time limit, is added so that it reaches the ranks' checkpoint instead of killing the
-# parent alone.
-FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# The agent forwards these to the ranks (and ends them 30 s later); SIGUSR1 and SIGUSR2, the
+# warnings before a time limit that train.sbatch and submitit ask SLURM for, are added so that they
+# reach the ranks' checkpoint instead of killing the parent alone.
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
 
 def max_local_ranks() -> int:
@@ -120,9 +120,14 @@ def _describe_failures(failures: dict) -> str:
         recorded = isinstance(failure.message, dict)
         return (lost_peer, not recorded, failure.timestamp, rank)
 
+    import socket
+
     ordered = sorted(failures.items(), key=secondary)
     (rank, failure), others = ordered[0], ordered[1:]
-    lines = [f"rank {rank} failed (exit code {failure.exitcode}):\n{_failure_text(failure)}"]
+    host = socket.gethostname()  # self-launched ranks all run on this machine
+    lines = [
+        f"rank {rank} failed (exit code {failure.exitcode}) on {host}:\n{_failure_text(failure)}"
+    ]
     for other_rank, other in others:
         last = (_failure_text(other).strip().splitlines() or ["(no error recorded)"])[-1]
         lines.append(f"(also failed: rank {other_rank}, exit code {other.exitcode}: {last})")

@@ -2,9 +2,10 @@
 
 `python train.py cp=2` needs no launcher: with no rank variables in the environment the job starts
 its own tp*cp*dp ranks with PyTorch's elastic launch API (gloo on CPU, nccl on GPU) and exits with
-their status. Under torchrun (or SLURM, once MASTER_ADDR is set) the ranks already exist and each
-simply trains. Hydra's output directory is resolved once, here in the parent, and handed to every
-rank, so a job has exactly one.
+their status. Under torchrun, SLURM (once MASTER_ADDR is set) or a multi-task submitit job the
+ranks already exist and each simply trains. Hydra's output directory is resolved once, here in the
+parent, and handed to every rank, so a job has exactly one. On a cluster a rank that fails says
+which rank and host it is: each writes to its own log, and the first error is rarely rank 0's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from recipe.config import ConfigError, TrainConfig
-from recipe.launch.environment import adopt_environment
+from recipe.launch.environment import ProcessEnvironment, adopt_environment, launched_world_problem
 from recipe.launch.local import RanksFailed, RanksStopped, check_launchable, launch_world
 from recipe.launch.rundir import claim_run_directory
 from recipe.log import get_logger, quiet_libraries
@@ -60,9 +61,11 @@ def run(cfg: DictConfig):
     quiet_libraries()
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN"
+    env = adopt_environment()
+    where = _rank_and_host(env)
     try:
         typed = to_typed(cfg)
-        env = adopt_environment()
+        check_launched_world(typed, env)
         check_run_choices(typed, env.device)  # before any rank starts or data loads
         if typed.world_size > 1 and not env.external:
             check_launchable(typed)
@@ -81,7 +84,9 @@ def run(cfg: DictConfig):
         log.error(f"{err}; {_how_to_continue(typed.output_dir)}")
         raise SystemExit(err.exit_code) from None
     except Preempted as err:
-        log.error(f"{err}; continue with trainer.resume=auto hydra.run.dir={typed.output_dir}")
+        log.error(
+            f"{where}{err}; continue with trainer.resume=auto hydra.run.dir={typed.output_dir}"
+        )
         raise SystemExit(err.exit_code) from None
     except (
         ConfigError,
@@ -92,13 +97,36 @@ def run(cfg: DictConfig):
         PreprocessMismatch,
     ) as err:
         if multirun:
+            if where:
+                log.error(f"{where}failed: {err}")
             raise  # Hydra marks the job failed; the sweep's parity report lists it
         prefix = "config error: " if isinstance(err, ConfigError) else ""
-        log.error(f"{prefix}{err}")
+        log.error(f"{where}{prefix}{err}")
         raise SystemExit(2 if isinstance(err, ConfigError) else 1) from None
+    except Exception:
+        if where:  # what Hydra prints next carries no rank: say whose traceback it is
+            log.exception(f"{where}failed with an unexpected error")
+        raise
     summary = result["summary"]
     log.info(_format_summary(summary, typed.output_dir))
     return summary.get("final_eval_lm_loss")
+
+
+def check_launched_world(cfg: TrainConfig, env: ProcessEnvironment) -> None:
+    """A launcher's world (torchrun, an sbatch allocation, a submitit job) that is not tp*cp*dp
+    is refused before any rendezvous, with the launch that would fit."""
+    dims = cfg.parallel_dims
+    problem = launched_world_problem(env, dims.tp, dims.cp, dims.dp)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _rank_and_host(env: ProcessEnvironment) -> str:
+    """`rank 3 on node7: ` for a rank of a launched world; empty for a lone process, whose
+    self-launched ranks are named by the launcher's failure report."""
+    import socket
+
+    return f"rank {env.rank} on {socket.gethostname()}: " if env.external else ""
 
 
 def check_resumable(cfg: TrainConfig) -> None:

@@ -1,9 +1,15 @@
-"""Stop at a step boundary on SIGTERM or SIGUSR1 (a scheduler's warning), after a checkpoint.
+"""Stop at a step boundary on SIGTERM or SIGUSR1/2 (a scheduler's warning), after a checkpoint.
 
 A signal only sets a flag; at the end of each step the ranks agree (one all-reduce of the signal
 number) so that they all checkpoint the same step and stop together, whichever of them the signal
 reached first. SIGINT keeps Python's behaviour (stop at once): a person pressing Ctrl-C wants the
 prompt back, a scheduler wants the work kept.
+
+SIGUSR1 is what train.sbatch asks SLURM for; SIGUSR2 is what submitit asks for
+(hydra/launcher=slurm, `signal_delay_s`). A submitit job process has submitit's own handlers
+(SIGTERM ignored with a log line, SIGUSR2 to submitit's checkpoint-and-requeue); while the recipe
+trains, its handlers take their place and give them back afterwards, so the recipe's checkpoint
+at a step boundary is what happens.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import signal
 import subprocess
 import threading
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class Preempted(Exception):
@@ -35,7 +41,7 @@ class Preempted(Exception):
 
     @property
     def exit_code(self) -> int:
-        """128 + the signal number: 143 for SIGTERM, 138 for SIGUSR1."""
+        """128 + the signal number: 143 for SIGTERM, 138 for SIGUSR1, 140 for SIGUSR2."""
         return 128 + self.signum
 
 
