@@ -28,36 +28,37 @@ from recipe.model.mrope import (
 from recipe.parallel.cp.zigzag import zigzag_index
 
 
-def build_vision_config(vision_cfg, lm_config):
-    """The ViT's TransformerConfig: the language model's numerics, the encoder's own sizes, and
-    no context parallelism (images are not split)."""
+def _encoder_side_config(lm_config, **sizes):
+    """The language model's numerics for a part that sees whole images: no context
+    parallelism (images are not split), no MTP, no mrope, a plain MLP."""
     return dataclasses.replace(
         lm_config,
-        num_layers=vision_cfg.num_layers,
-        hidden_size=vision_cfg.hidden_size,
-        num_attention_heads=vision_cfg.num_attention_heads,
-        num_query_groups=vision_cfg.num_attention_heads,
-        ffn_hidden_size=vision_cfg.ffn_hidden_size,
-        kv_channels=vision_cfg.hidden_size // vision_cfg.num_attention_heads,
         gated_linear_unit=False,
         context_parallel_size=1,
         cp_comm_type=None,
         mtp_num_layers=None,
         mrope_section=None,
+        **sizes,
+    )
+
+
+def build_vision_config(vision_cfg, lm_config):
+    """The ViT's TransformerConfig: the encoder's own sizes."""
+    heads = vision_cfg.num_attention_heads
+    return _encoder_side_config(
+        lm_config,
+        num_layers=vision_cfg.num_layers,
+        hidden_size=vision_cfg.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=heads,
+        ffn_hidden_size=vision_cfg.ffn_hidden_size,
+        kv_channels=vision_cfg.hidden_size // heads,
     )
 
 
 def build_projector_config(lm_config):
     """The projector's TransformerConfig: an MLP whose inner width is the language model's."""
-    return dataclasses.replace(
-        lm_config,
-        ffn_hidden_size=lm_config.hidden_size,
-        gated_linear_unit=False,
-        context_parallel_size=1,
-        cp_comm_type=None,
-        mtp_num_layers=None,
-        mrope_section=None,
-    )
+    return _encoder_side_config(lm_config, ffn_hidden_size=lm_config.hidden_size)
 
 
 def _vit_block_spec(num_layers: int):
