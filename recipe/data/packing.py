@@ -142,10 +142,12 @@ def attach_images(
     slot[is_image] = torch.arange(int(is_image.sum()))
     per_image = grid[0] * grid[1]
     found = [sum(1 for t in s if t == image_token_id) for s in sequences]
-    if any(n != per_image for n in found):
+    wrong = [i for i, n in enumerate(found) if n != per_image]
+    if wrong:
         raise ValueError(
-            f"a sequence holds {found} image tokens, its image {per_image} ({grid[0]} x "
-            f"{grid[1]} merged patches)"
+            f"sequence {wrong[0]} of the micro-batch holds {found[wrong[0]]} image tokens, but "
+            f"its image has {per_image} ({grid[0]} x {grid[1]} merged patches): was it cut by "
+            "data.max_seq_len?"
         )
     images = torch.from_numpy(np.stack([s.image for s in sequences])).permute(0, 3, 1, 2)
     return batch.replace(
