@@ -25,6 +25,8 @@ def test_every_option_of_every_group_composes(group, option):
     overrides = [f"{group}={option}"]
     if group == "data" and option == "files":
         overrides.append("data.path=json")  # files needs a path; everything else is default
+    if (group, option) in (("data", "shapes"), ("vision", "on")):
+        overrides = ["data=shapes", "vision=on"]  # images and the model that reads them
     cfg = typed_config(overrides, tiny=False)
     assert isinstance(cfg, TrainConfig)
     if group == "model":
