@@ -38,7 +38,6 @@ from recipe.model.numerics import (
     check_backend_and_precision,
     resolve_precision,
 )
-from recipe.model.vision import language_model_of
 from recipe.parallel import collectives, groups
 from recipe.parallel.layout import ParallelLayout
 from recipe.training.checkpoint import (
@@ -235,6 +234,8 @@ class Trainer:
         """Forward and backward over this rank's micro-batches; returns the step's report
         totals on this rank, [name, (sum, count)] in `work.report_names` order, on the device.
         With `token_rows_out`, each micro-batch's per-token records are appended to it."""
+        from recipe.model.vision import language_model_of  # megatron-core: not in the parent
+
         names = work.report_names
         totals = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
         for index, batch in enumerate(work.micro_batches):
