@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recipe.errors import ConfigError
-from recipe.launch.environment import adopt_environment, read_environment
+from recipe.launch.environment import adopt_environment, port_for_job, read_environment
 from recipe.parallel.layout import ParallelDims
 
 dims_st = st.builds(
@@ -102,9 +102,15 @@ def test_environment_reader_for_each_launcher():
 
 
 def test_adopting_slurm_exports_torch_distributed_variables():
-    environ = {"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "MASTER_ADDR": "node1"}
+    environ = {
+        "SLURM_PROCID": "2",
+        "SLURM_NTASKS": "4",
+        "MASTER_ADDR": "node1",
+        "SLURM_JOB_ID": "1234",
+    }
     env = adopt_environment(environ)
     assert env.launcher == "slurm"
     assert (environ["RANK"], environ["WORLD_SIZE"], environ["LOCAL_RANK"]) == ("2", "4", "0")
-    assert environ["MASTER_PORT"] == "29500"
+    # The port follows the job id (two jobs on one node never share one), as train.sbatch's.
+    assert environ["MASTER_PORT"] == str(port_for_job("1234")) == "11234"
     assert read_environment(environ).rank == 2, "the exported variables say the same"
