@@ -176,7 +176,8 @@ def test_mrope_with_three_equal_axes_is_rope():
     megatron's THD path and the whole network."""
     from recipe.data.packing import pack_sequences
     from recipe.model.gpt import build_gpt_model
-    from recipe.model.mrope import StreamRotaryEmbedding, rope_table, text_positions
+    from recipe.model.mrope import StreamRotaryEmbedding, rope_table
+    from recipe.parallel.cp.zigzag import local_token_identity
     from recipe.training.step import forward_step
 
     cfg = typed_config(VISION)
@@ -187,7 +188,7 @@ def test_mrope_with_three_equal_axes_is_rope():
             cfg.model, vocab_size=259, max_sequence_length=64, seed=5, mrope_section=[2, 3, 3]
         )
         mrope.rotary_pos_emb = StreamRotaryEmbedding(mrope.rotary_pos_emb)
-        ids = text_positions(batch.cu_seqlens_padded).expand(3, -1)
+        ids = local_token_identity(batch.cu_seqlens_padded, 1, 0)[1].expand(3, -1)
         mrope.rotary_pos_emb.table = rope_table(mrope.rotary_pos_emb, ids, [2, 3, 3])
         expected = forward_step(batch, rope, pass_position_ids=False).per_token_loss
         got = forward_step(batch, mrope, pass_position_ids=False).per_token_loss

@@ -73,13 +73,6 @@ def stream_mrope_positions(cu_seqlens_padded: Tensor, image_slot: Tensor, grids:
     return torch.stack([base, base + row, base + col])
 
 
-def text_positions(cu_seqlens_padded: Tensor) -> Tensor:
-    """[T] the 1-D position of every slot within its sequence (what text models use)."""
-    cu = cu_seqlens_padded.to(torch.int64)
-    lengths = cu.diff()
-    return torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lengths)
-
-
 class _WithoutCP:
     """A stand-in group of size 1: megatron's mrope table code then leaves the table whole."""
 

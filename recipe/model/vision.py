@@ -23,9 +23,8 @@ from recipe.model.mrope import (
     StreamRotaryEmbedding,
     rope_table,
     stream_mrope_positions,
-    text_positions,
 )
-from recipe.parallel.cp.zigzag import zigzag_index
+from recipe.parallel.cp.zigzag import local_token_identity, zigzag_index
 
 
 def _encoder_side_config(lm_config, **sizes):
@@ -143,8 +142,9 @@ class VisionLanguageModel(torch.nn.Module):
         `vision.positions`; its length is what makes megatron's THD path slice it per sequence."""
         cu = batch.cu_seqlens_padded
         if self.positions == "text_1d":
-            ids = text_positions(cu.cpu()).to(cu.device).expand(3, -1)
-        else:
+            _, within, _ = local_token_identity(cu.cpu(), 1, 0)  # 1-D position in its sequence
+            ids = within.to(cu.device).expand(3, -1)
+        elif self.positions != "rank_local" or self.cp_size == 1:
             ids = stream_mrope_positions(cu, batch.stream_image_slot, batch.image_grids)
         if self.positions in ("full_stream", "text_1d") or self.cp_size == 1:
             table = rope_table(self.rope, ids, self.mrope_section)
