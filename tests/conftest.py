@@ -23,12 +23,69 @@ def _isolated_environment():
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run only where CUDA is present."""
+    """Ranks are processes: `distributed` implies `launches`. GPU tests run only where CUDA is."""
     import torch
 
+    for item in items:
+        if "distributed" in item.keywords and "launches" not in item.keywords:
+            item.add_marker(pytest.mark.launches)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Processes a test may start without the `launches` marker: quick tools that are not Python.
+_QUICK_TOOLS = {"hadolint", "pgrep"}
+
+
+@pytest.fixture(autouse=True)
+def _launches_are_marked(request, monkeypatch):
+    """A test that starts a process (train.py, a Python script, gloo ranks) must be marked
+    `launches`, so that `make test-fast` (-m "not launches") stays free of process starts; an
+    unmarked one fails here with the fix, instead of slowing the fast tier in silence."""
+    if "launches" in request.keywords:
+        return
+    import multiprocessing.process
+    import subprocess
+
+    name = request.node.nodeid
+
+    def refuse(what):
+        raise AssertionError(
+            f"{name} starts {what}: mark it @pytest.mark.launches (make test-fast skips those)"
+        )
+
+    real_init = subprocess.Popen.__init__
+
+    def checked_init(self, args, *rest, **kwargs):
+        argv = [args] if isinstance(args, str | os.PathLike) else list(args)
+        tool = os.path.basename(str(argv[0])) if argv else ""
+        if tool not in _QUICK_TOOLS and argv[:2] != ["bash", "-n"]:
+            refuse(f"the process {argv[:3]}")
+        real_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_init)
+    monkeypatch.setattr(
+        multiprocessing.process.BaseProcess, "start", lambda self: refuse("a child process")
+    )
+
+
+@pytest.fixture(scope="session")
+def worlds(tmp_path_factory):
+    """Launched gloo worlds kept for the whole session, one per world size (helpers/world.py)."""
+    from tests.helpers.world import WorldPool
+
+    pool = WorldPool(tmp_path_factory.mktemp("worlds"))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def shared_runs(worlds, tmp_path_factory):
+    """Training runs trained once per session, whichever module asks first (helpers/runs.py)."""
+    from tests.helpers.runs import SharedRuns
+
+    return SharedRuns(worlds, tmp_path_factory.mktemp("shared_runs"))

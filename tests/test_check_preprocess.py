@@ -106,7 +106,6 @@ def test_a_bad_user_function_is_a_config_error():
 
 
 @pytest.mark.distributed
-@pytest.mark.stack_independent
 def test_a_faulty_user_function_stops_the_run_at_the_first_step(tmp_path):
     from tests.helpers.cli import run_train_cli
 

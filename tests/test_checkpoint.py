@@ -91,6 +91,7 @@ def reference_cp2(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", [[], ["cp=2"]], ids=["cp1", "cp2"])
 def test_a_killed_run_resumes_bit_for_bit(layout, tmp_path, reference_cp1, reference_cp2):
@@ -108,6 +109,7 @@ def test_a_killed_run_resumes_bit_for_bit(layout, tmp_path, reference_cp1, refer
     assert summary["steps"] == 24
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.distributed
 def test_a_cp2_checkpoint_resumes_at_cp1_within_the_parity_tolerance(
     tmp_path, reference_cp1, reference_cp2
@@ -122,7 +124,6 @@ def test_a_cp2_checkpoint_resumes_at_cp1_within_the_parity_tolerance(
 
 
 @pytest.mark.distributed
-@pytest.mark.stack_independent
 def test_sigterm_checkpoints_at_the_step_boundary_and_tp_resumes_both_ways(tmp_path, reference_cp1):
     """cp1 -> tp2 (each rank slices its shard), SIGTERM at tp2 (the ranks join their shards into
     the checkpoint), tp2 -> cp1: the curve stays within the tolerance of the uninterrupted one."""
@@ -145,7 +146,6 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_tp_resumes_both_ways(tmp_p
 
 
 @pytest.mark.distributed
-@pytest.mark.stack_independent
 def test_a_cp1_checkpoint_resumes_at_dp2_x_cp2_within_the_parity_tolerance(tmp_path, reference_cp1):
     resumed = tmp_path / "resumed"
     start = reference_cp1 / "checkpoints" / "step_00000016"
@@ -159,7 +159,6 @@ def test_a_cp1_checkpoint_resumes_at_dp2_x_cp2_within_the_parity_tolerance(tmp_p
     }
 
 
-@pytest.mark.stack_independent
 def test_negative_control_a_wrong_data_position_fails_the_same_comparison(tmp_path, reference_cp1):
     """The within-tolerance checks above prove something only if a resume that restores the
     wrong state fails them: here the data stream restarts from the top."""
@@ -175,7 +174,6 @@ def test_negative_control_a_wrong_data_position_fails_the_same_comparison(tmp_pa
     assert max(d.max_rel for d in result.diffs if d.metric == "lm_loss") > 100 * RTOL
 
 
-@pytest.mark.stack_independent
 def test_resume_refuses_another_model_and_names_what_differs(tmp_path, reference_cp1):
     done = run_train_cli(
         [*RUN, f"trainer.resume={reference_cp1}", "model.hidden_size=64"]
@@ -189,7 +187,6 @@ def test_resume_refuses_another_model_and_names_what_differs(tmp_path, reference
     assert not (tmp_path / "run" / "metrics.jsonl").exists(), "refused before training"
 
 
-@pytest.mark.stack_independent
 def test_sigusr1_checkpoints_and_requeues_the_slurm_job(tmp_path):
     """SLURM's warning before a time limit (sbatch --signal=USR1@90): checkpoint, ask SLURM to
     run the job again, exit 128 + 10."""
@@ -211,7 +208,6 @@ def test_sigusr1_checkpoints_and_requeues_the_slurm_job(tmp_path):
     assert ckpt.complete_checkpoints(run_dir / "checkpoints")[-1][0] == len(read_metrics(run_dir))
 
 
-@pytest.mark.stack_independent
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE stands in for a full disk")
 def test_a_checkpoint_that_cannot_be_written_names_the_path_and_keeps_no_half(tmp_path):
     """A full disk gave an ENOSPC traceback without a path. RLIMIT_FSIZE makes every file larger

@@ -174,7 +174,6 @@ def _sbatch(tmp_path: Path, args: list[str], **extra) -> subprocess.CompletedPro
 
 
 @pytest.mark.distributed
-@pytest.mark.stack_independent
 def test_sbatch_script_trains_one_world_in_one_run_directory(tmp_path):
     result = _sbatch(tmp_path, ["cp=2", f"trainer.max_steps={STEPS}"])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -198,7 +197,6 @@ def test_sbatch_script_trains_one_world_in_one_run_directory(tmp_path):
     assert "--container-workdir=/opt/recipe" in options
 
 
-@pytest.mark.stack_independent
 def test_a_slurm_allocation_of_the_wrong_size_is_refused_with_the_sbatch_flags(tmp_path):
     env = _clean_env(
         SLURM_PROCID="0",
@@ -224,7 +222,6 @@ def test_a_slurm_allocation_of_the_wrong_size_is_refused_with_the_sbatch_flags(t
 # --- sweeps through submitit ----------------------------------------------------------------
 
 
-@pytest.mark.stack_independent
 def test_a_submitit_launcher_without_the_plugin_names_the_extra(tmp_path):
     # A regular package named hydra_plugins, first on the path, hides the installed namespace.
     (tmp_path / "hydra_plugins").mkdir()
@@ -247,7 +244,6 @@ def test_a_submitit_launcher_without_the_plugin_names_the_extra(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.stack_independent
 @pytest.mark.parametrize(
     "launcher, tasks_of_cp2",
     [("submitit_local", 1), ("local_tasks", 2)],
@@ -290,7 +286,6 @@ def _free_port() -> int:
 
 
 @pytest.mark.distributed
-@pytest.mark.stack_independent
 def test_two_torchrun_agents_train_cp2_as_cp1_does(tmp_path):
     """`torchrun --nnodes=2 --rdzv-backend=c10d` on each of two "nodes" (here: two agents on
     loopback, one rank each, gloo); the cp=2 world must match cp=1 step by step."""

@@ -140,7 +140,6 @@ def test_compare_runs_script_exit_codes(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.stack_independent
 def test_a_multirun_sweep_ends_in_a_parity_report(tmp_path):
     from tests.helpers.cli import run_train_cli
 

@@ -7,6 +7,8 @@ import torch
 
 from recipe.model import compat
 
+pytestmark = pytest.mark.stack_dependent
+
 
 def test_the_installed_megatron_is_a_supported_one():
     assert compat.megatron_version() in compat.SUPPORTED_MEGATRON

@@ -217,6 +217,7 @@ def test_verl_shard_values_matches_verl_preprocess_ids(batch: Packed):
         assert torch.equal(values, ids)
 
 
+@pytest.mark.stack_dependent
 @PROPERTY
 @given(packed_batches())
 def test_matches_megatron_thd_rope_sharding(batch: Packed):

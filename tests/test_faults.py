@@ -46,7 +46,6 @@ def _rank_processes(pid: int) -> list[int]:
 
 @pytest.mark.distributed
 @pytest.mark.skipif(not Path("/proc").exists(), reason="finds rank processes through /proc")
-@pytest.mark.stack_independent
 def test_a_stalled_rank_ends_the_job_within_the_collective_timeout(tmp_path):
     """SIGSTOP of rank 1 at cp=2 used to block rank 0 silently for more than 9 minutes: megatron's
     groups, which carry the CP exchanges and gradients, kept megatron's 30-minute timeout."""
@@ -89,7 +88,6 @@ def _strict_json_lines(path: Path) -> list[dict]:
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.stack_independent
 def test_a_diverging_run_stops_at_the_first_nonfinite_step_with_strict_json(tmp_path):
     """optim.lr=1e3 used to go to NaN and exit 0, with bare NaN in metrics.jsonl. (lr=1e30 here:
     it overflows on every stack's numerics, lr=1e3 only on some.)"""
@@ -146,7 +144,6 @@ def test_unknown_keys_are_refused_even_when_added_with_plus():
         typed_config(["+data.markov.ordr=3"])
 
 
-@pytest.mark.stack_independent
 def test_a_run_directory_holds_one_job_and_is_never_overwritten(tmp_path):
     """Two jobs with the same run directory both exited 0 and one job's metrics were gone;
     reusing a directory truncated metrics.jsonl."""
@@ -198,7 +195,6 @@ def test_the_default_run_directory_is_unique_per_start():
     assert re.fullmatch(r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d-\d{6}", cfg.hydra.run.dir)
 
 
-@pytest.mark.stack_independent
 def test_stale_rank_variables_are_named_not_waited_on_in_silence(tmp_path):
     """A stale RANK=0 WORLD_SIZE=2 MASTER_ADDR/PORT waited 5 minutes in silence, then printed a
     store traceback that did not say those variables made the recipe think it was launched."""
@@ -301,7 +297,6 @@ def test_unreadable_files_name_the_file_and_the_cause(tmp_path):
         (["model=huge"], "model=huge: the config group model has no option 'huge'; its options"),
     ],
 )
-@pytest.mark.stack_independent
 def test_a_missing_group_option_exits_2_with_the_options(tmp_path, args, fragment):
     """Hydra's own error for `cp=8` exited 1 and did not point at cp.size=8."""
     from tests.helpers.cli import run_train_cli
@@ -326,7 +321,6 @@ def test_group_choices_leave_what_hydra_owns_alone():
         assert check_group_choices(args, conf) is None, args
 
 
-@pytest.mark.stack_independent
 def test_a_signalled_self_launched_job_exits_with_the_convention_and_one_line(tmp_path):
     """SIGTERM/SIGINT of a cp=2 job exited 1 with a 47-line traceback (cp=1: 143/130). SIGINT
     takes the same path (torch elastic's SignalException) and exits 130."""

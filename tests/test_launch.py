@@ -48,7 +48,6 @@ def test_too_many_ranks_for_the_machine_is_refused_before_launch():
 
 
 @pytest.mark.distributed
-@pytest.mark.stack_independent
 def test_cli_cp2_self_launches_into_exactly_one_output_directory(tmp_path):
     result = run_train_cli(["cp=2", "trainer.max_steps=3"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -72,7 +71,6 @@ def test_cli_bad_config_exits_2_with_the_field_named(tmp_path):
     assert "config error: model.hidden_size=33" in log.read_text()
 
 
-@pytest.mark.stack_independent
 def test_cli_data_files_trains_on_a_local_jsonl(tmp_path):
     data = tmp_path / "corpus.jsonl"
     data.write_text(
@@ -114,7 +112,6 @@ def test_launcher_environment_is_used_when_present(monkeypatch):
 
 
 @pytest.mark.distributed
-@pytest.mark.stack_independent
 def test_torchrun_ranks_share_one_output_directory(tmp_path):
     result = run_train_cli(
         ["cp=2", "trainer.max_steps=2"],

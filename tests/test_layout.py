@@ -30,6 +30,7 @@ def test_every_rank_has_one_place_in_the_grid(dims):
     assert places == grid
 
 
+@pytest.mark.stack_dependent
 @settings(max_examples=60, deadline=None)
 @given(dims=dims_st)
 def test_groups_match_megatron_rank_generator(dims):

@@ -11,6 +11,8 @@ from recipe.training.step import forward_step, loss_func
 from tests.helpers.config import typed_config
 from tests.helpers.world import lone_world
 
+pytestmark = pytest.mark.stack_dependent
+
 
 @pytest.fixture(scope="module")
 def world():

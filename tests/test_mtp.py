@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from recipe.config import ConfigError
 from recipe.data.packing import pack_sequences
-from recipe.launch.local import launch_world
 from recipe.model.mtp import global_mtp_token_counts, mtp_label_masks
 from recipe.training.step import forward_step
-from recipe.training.trainer import train
 from tests.helpers.config import SHORT_SEQUENCES, typed_config
 from tests.helpers.world import lone_world
 
@@ -34,25 +30,26 @@ def test_mtp_masks_stop_before_the_sequence_ends():
 
 
 @pytest.fixture(scope="module")
-def mtp_reference():
-    cfg = typed_config(COMMON + ["mtp=on"])
-    return train(cfg)["history"]
+def mtp_reference(shared_runs):
+    return shared_runs.history(COMMON + ["mtp=on"])
 
 
+@pytest.mark.stack_dependent
 def test_mtp_metrics_and_objective(mtp_reference):
     for h in mtp_reference:
         assert h["mtp_loss"] > 0
         assert h["loss"] == pytest.approx(h["lm_loss"] + 0.1 * h["mtp_loss"], rel=1e-9)
 
 
-def test_mtp_off_builds_no_mtp_and_logs_no_mtp_loss():
+@pytest.mark.stack_dependent
+def test_mtp_off_builds_no_mtp_and_logs_no_mtp_loss(shared_runs):
     from recipe.training.trainer import build_model
 
     cfg = typed_config(COMMON)
     with lone_world():
         model = build_model(cfg, 259)
     assert not any("mtp" in name for name, _ in model.named_parameters())
-    history = train(cfg)["history"]
+    history = shared_runs.history(COMMON)
     assert all("mtp_loss" not in h for h in history)
     assert all(h["loss"] == h["lm_loss"] for h in history)
 
@@ -84,6 +81,7 @@ def _mtp_grad_total(scale: float) -> float:
         return sum(float(g.abs().sum()) for g in mtp_grads if g is not None)
 
 
+@pytest.mark.stack_dependent
 def test_mtp_loss_reaches_the_backward_pass():
     assert _mtp_grad_total(0.1) > 0
     assert _mtp_grad_total(0.0) == 0
@@ -141,12 +139,14 @@ def _mtp_head_gradients(scaling: str) -> tuple[list[torch.Tensor], list[torch.Te
         return recipe_grads, reference
 
 
+@pytest.mark.stack_dependent
 def test_exact_mtp_gradient_is_the_global_mean_of_each_layer():
     got, expected = _mtp_head_gradients("exact")
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.stack_dependent
 def test_upstream_mtp_gradient_is_not_the_global_mean_of_each_layer():
     """The negative control of the test above: megatron's own weighting (1 / main-loss count on
     0.16, times a local per-micro-batch ratio on 0.19) is not the per-layer global mean."""
@@ -155,6 +155,7 @@ def test_upstream_mtp_gradient_is_not_the_global_mean_of_each_layer():
     assert worst > 1e-2
 
 
+@pytest.mark.stack_dependent
 def test_mtp_loss_equals_the_mean_over_sequences_run_alone():
     """Packing several sequences must give the same MTP loss as each alone: so the MTP roll never
     predicts across a boundary. Sequence B starts with a token that would be very costly to
@@ -188,19 +189,14 @@ def test_mtp_loss_equals_the_mean_over_sequences_run_alone():
 MTP_TWO_LAYERS = COMMON + ["mtp=on", "mtp.num_layers=2"]
 
 
-@functools.cache
-def _cp1_history(pe: str, scaling: str) -> tuple:
-    overrides = [f"model.position_embedding_type={pe}", f"mtp.scaling={scaling}"]
-    cfg = typed_config(MTP_TWO_LAYERS + overrides)
-    return tuple(train(cfg)["history"])
-
-
-def _worst_relative_difference(pe: str, scaling: str, layout: list[str]) -> dict[str, float]:
-    reference = _cp1_history(pe, scaling)
-    cfg = typed_config(
-        MTP_TWO_LAYERS + [f"model.position_embedding_type={pe}", f"mtp.scaling={scaling}", *layout]
-    )
-    history = launch_world(cfg)["history"]
+def _worst_relative_difference(
+    shared_runs, pe: str, scaling: str, layout: list[str]
+) -> dict[str, float]:
+    """Against the cp=1 run of the same config (with exact scaling, the reference that
+    test_tensor_parallel.py's tp layouts are compared with too)."""
+    config = [*MTP_TWO_LAYERS, f"model.position_embedding_type={pe}", f"mtp.scaling={scaling}"]
+    reference = shared_runs.history(config)
+    history = shared_runs.history([*config, *layout])
     assert len(history) == len(reference) == STEPS
     return {
         key: max(abs(b[key] - a[key]) / abs(a[key]) for a, b in zip(reference, history))
@@ -208,6 +204,7 @@ def _worst_relative_difference(pe: str, scaling: str, layout: list[str]) -> dict
     }
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "pe,layout",
@@ -219,20 +216,23 @@ def _worst_relative_difference(pe: str, scaling: str, layout: list[str]) -> dict
         ("learned_absolute", ["cp=2", "parallel.dp=2"]),
     ],
 )
-def test_exact_mtp_under_cp_and_dp_matches_cp1(pe, layout):
-    worst = _worst_relative_difference(pe, "exact", layout)
+def test_exact_mtp_under_cp_and_dp_matches_cp1(shared_runs, pe, layout):
+    worst = _worst_relative_difference(shared_runs, pe, "exact", layout)
     assert all(v <= RTOL for v in worst.values()), worst
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.distributed
-def test_upstream_mtp_scaling_depends_on_the_layout_where_megatron_has_the_local_ratio():
+def test_upstream_mtp_scaling_depends_on_the_layout_where_megatron_has_the_local_ratio(
+    shared_runs,
+):
     """The negative control of the test above, and a record of what the installed release does:
     megatron-core >= 0.19 (Megatron-LM PR #3159) weights MTP losses by each rank's local token
     ratio, so cp=2 leaves cp=1's curve by far more than the tolerance; 0.16.1 predates it and
     its own weighting, though not a per-layer mean, does not depend on the layout."""
     from recipe.model.compat import mtp_loss_has_local_token_ratio
 
-    worst = _worst_relative_difference("learned_absolute", "upstream", ["cp=2"])
+    worst = _worst_relative_difference(shared_runs, "learned_absolute", "upstream", ["cp=2"])
     if mtp_loss_has_local_token_ratio():
         assert max(worst["mtp_loss"], worst["grad_norm"]) > 2 * RTOL, worst
     else:
@@ -289,8 +289,7 @@ def _mtp_against_gathered_logits(cfg):
     from recipe.training.trainer import build_model
 
     apply_cpu_compat()
-    layout = groups.init_distributed(cfg.parallel_dims)
-    try:
+    with groups.parallel_world(cfg.parallel_dims) as layout:
         seed_model_parallel_rng(0)
         model = build_model(cfg, 259)
         gen = torch.Generator().manual_seed(0)
@@ -319,16 +318,15 @@ def _mtp_against_gathered_logits(cfg):
                 target = torch.tensor([seq[p + 2]])
                 reference += float(F.cross_entropy(mtp_logits[start + p][None], target))
         return {"recipe": float(mtp_sums[0]), "reference": reference}
-    finally:
-        groups.shutdown_distributed()
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.distributed
 @pytest.mark.parametrize("cp", [1, 2])
-def test_mtp_loss_equals_a_reference_on_the_gathered_full_sequences(cp):
+def test_mtp_loss_equals_a_reference_on_the_gathered_full_sequences(worlds, cp):
     cfg = typed_config(
         [*COMMON, "mtp=on", f"cp={cp}", "model.position_embedding_type=learned_absolute"]
     )
-    result = launch_world(cfg, entrypoint=_mtp_against_gathered_logits)
+    result = worlds.run(cfg.world_size, _mtp_against_gathered_logits, cfg)
     assert result["reference"] > 0
     assert result["recipe"] == pytest.approx(result["reference"], rel=1e-5)

@@ -9,8 +9,6 @@ import sys
 import tomllib
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -38,7 +36,6 @@ def test_image_keeps_the_base_torch_and_installs_everything_else():
     assert all("==" in r for r in reqs), "without a constraint file the image installs the pins"
 
 
-@pytest.mark.stack_independent
 def test_image_requirements_resolve_against_an_ngc_constraint_file():
     """NGC images pin every preinstalled package (PIP_CONSTRAINT); the recipe's exact pins of
     numpy, matplotlib, pytest, ... against them end in ResolutionImpossible."""
@@ -55,7 +52,6 @@ def test_image_requirements_resolve_against_an_ngc_constraint_file():
     assert {"numpy", "matplotlib", "pytest"} <= refused
 
 
-@pytest.mark.stack_independent
 def test_what_the_image_installs_at_the_recipe_pins_accepts_the_image_pins():
     """One level down: a package the image installs at the recipe's exact pin (megatron-core,
     hydra-core, datasets, ...) must itself accept the versions the image pins (megatron-core
@@ -87,7 +83,6 @@ def test_what_the_image_installs_at_the_recipe_pins_accepts_the_image_pins():
         assert any("packaging" in c for c in conflicts(needs, older, IMAGE_PYTHON))
 
 
-@pytest.mark.stack_independent
 def test_dockerfile_is_hadolint_clean():
     import shutil
 

@@ -1,22 +1,20 @@
 """Tensor parallelism (and sequence parallelism) on real spawned gloo ranks trains the tp=1 model.
 
 megatron-core's column/row-parallel linears, vocab-parallel embedding and cross entropy run on
-gloo; the recipe adds what its own loop owns: the tensor-parallel gradient norm, the sum over tp
-ranks of the gradients of sequence-parallel norms, and one vocabulary padding for every tp. Each
-case compares per-step lm_loss, mtp_loss and grad_norm with an in-process tp=cp=1 run; the
-negative control (verl's pre-fix positions at tp=2 x cp=2) must miss the tolerance by far.
+gloo (in the session's launched worlds, tests/helpers/world.py); the recipe adds what its own
+loop owns: the tensor-parallel gradient norm, the sum over tp ranks of the gradients of
+sequence-parallel norms, and one vocabulary padding for every tp. Each case compares per-step
+lm_loss, mtp_loss and grad_norm with an in-process tp=cp=1 run (the cp=1 reference of
+test_mtp.py's two-layer MTP config, trained once per session); the negative control (verl's
+pre-fix positions at tp=2 x cp=2) must miss the tolerance by far.
 """
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 import torch
 
 from recipe.config import ConfigError
-from recipe.launch.local import launch_world
-from recipe.training.trainer import train
 from tests.helpers.config import SHORT_SEQUENCES, typed_config
 
 RTOL = 1e-5
@@ -26,15 +24,10 @@ COMMON = [f"trainer.max_steps={STEPS}", *SHORT_SEQUENCES, "mtp=on", "mtp.num_lay
 METRICS = ("lm_loss", "mtp_loss", "grad_norm")
 
 
-@functools.cache
-def _reference(pe: str) -> tuple:
-    return tuple(train(typed_config(COMMON + [f"model.position_embedding_type={pe}"]))["history"])
-
-
-def _worst(pe: str, layout: list[str]) -> dict[str, float]:
-    reference = _reference(pe)
-    cfg = typed_config(COMMON + [f"model.position_embedding_type={pe}", *layout])
-    history = launch_world(cfg)["history"]
+def _worst(shared_runs, pe: str, layout: list[str]) -> dict[str, float]:
+    """Against the tp=cp=1 run of the same config (shared with test_mtp.py's cp=1 reference)."""
+    reference = shared_runs.history([*COMMON, f"model.position_embedding_type={pe}"])
+    history = shared_runs.history([*COMMON, f"model.position_embedding_type={pe}", *layout])
     assert [h["tokens"] for h in history] == [h["tokens"] for h in reference]
     return {
         key: max(abs(b[key] - a[key]) / abs(a[key]) for a, b in zip(reference, history))
@@ -47,17 +40,19 @@ TP2_CP2 = ["parallel.tp=2", "cp=2"]
 TP2_CP2_SP = ["parallel.tp=2", "cp=2", "parallel.sequence_parallel=true"]
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.distributed
 @pytest.mark.parametrize("pe", ["rope", "learned_absolute"])
 @pytest.mark.parametrize("layout", [TP2, TP2_CP2, TP2_CP2_SP], ids=["tp2", "tp2xcp2", "tp2xcp2-sp"])
-def test_tensor_parallel_matches_tp1(pe, layout):
-    worst = _worst(pe, layout)
+def test_tensor_parallel_matches_tp1(shared_runs, pe, layout):
+    worst = _worst(shared_runs, pe, layout)
     assert all(v <= RTOL for v in worst.values()), worst
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.distributed
-def test_negative_control_verl_legacy_fails_at_tp2_cp2():
-    worst = _worst("learned_absolute", [*TP2_CP2, "cp.preprocess=verl_legacy"])
+def test_negative_control_verl_legacy_fails_at_tp2_cp2(shared_runs):
+    worst = _worst(shared_runs, "learned_absolute", [*TP2_CP2, "cp.preprocess=verl_legacy"])
     assert worst["lm_loss"] > 10 * RTOL, worst
 
 
@@ -65,17 +60,22 @@ def _sequence_parallel_facts(cfg) -> dict:
     """On every rank: how many tokens a norm sees under sequence parallelism, and whether the
     norms' gradients agree across tp ranks after the trainer's step (they must: each tp rank
     holds the same parameters)."""
-    import torch.distributed as dist
-
     from recipe.data.corpus import load_corpus
     from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
-    from recipe.parallel import collectives, groups
+    from recipe.parallel import groups
     from recipe.training.trainer import Trainer
 
     apply_cpu_compat()
-    layout = groups.init_distributed(cfg.parallel_dims)
-    seed_model_parallel_rng(0)
-    trainer = Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data))
+    with groups.parallel_world(cfg.parallel_dims) as layout:
+        seed_model_parallel_rng(0)
+        return _facts_of_one_step(Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data)))
+
+
+def _facts_of_one_step(trainer) -> dict:
+    import torch.distributed as dist
+
+    from recipe.parallel import collectives
+
     seen = []
     norm = trainer.model.decoder.layers[0].input_layernorm
     hook = norm.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
@@ -98,10 +98,11 @@ def _sequence_parallel_facts(cfg) -> dict:
     }
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.distributed
-def test_sequence_parallel_splits_tokens_and_sums_norm_gradients():
+def test_sequence_parallel_splits_tokens_and_sums_norm_gradients(worlds):
     cfg = typed_config(COMMON + ["parallel.tp=2", "parallel.sequence_parallel=true"])
-    facts = launch_world(cfg, entrypoint=_sequence_parallel_facts)
+    facts = worlds.run(cfg.world_size, _sequence_parallel_facts, cfg)
     assert facts["marked"]
     assert facts["norm_tokens"] == [n // 2 for n in facts["local_tokens"]]
     assert facts["tp_ranks_agree"]

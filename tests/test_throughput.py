@@ -24,6 +24,7 @@ def _matrices_by_hand(m, vocab: int) -> int:
     return m.num_layers * (qkv + proj + mlp) + vocab * m.hidden_size  # + the output layer
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.parametrize("extra", [[], ["model.tie_embeddings=true"], ["model.swiglu=true"]])
 def test_linear_parameters_match_a_count_by_hand(extra):
     import torch

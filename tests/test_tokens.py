@@ -16,7 +16,6 @@ from recipe.data.packing import pack_sequences
 from recipe.parallel.cp.contract import built_in, index_preprocess
 from recipe.parallel.cp.zigzag import local_token_identity
 from recipe.training.tokens import COLUMNS, read_token_records, write_token_records
-from tests.helpers.cli import run_train_cli
 from tests.helpers.config import typed_config
 
 RECORDED = [
@@ -40,34 +39,28 @@ LAYOUTS = {
 
 
 class _Runs:
-    """Each layout's run, trained the first time a test asks for it (the legacy stack's CI run
-    skips the stack_independent tests and so trains fewer)."""
+    """Each layout's run with its records and traces, trained in the session's worlds the first
+    time a test asks for it (the legacy stack's CI run trains only those its tests need)."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, shared_runs):
+        self.shared_runs = shared_runs
 
     def __getitem__(self, name: str) -> Path:
-        run_dir = self.root / name
-        if not (run_dir / "summary.json").exists():
-            done = run_train_cli(
-                [*RECORDED, *LAYOUTS[name], f"hydra.run.dir={run_dir}"], cwd=self.root
-            )
-            assert done.returncode == 0, done.stderr[-3000:]
-        return run_dir
+        return self.shared_runs.run_dir([*RECORDED, *LAYOUTS[name]])
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> _Runs:
-    return _Runs(tmp_path_factory.mktemp("tokens"))
+def runs(shared_runs) -> _Runs:
+    return _Runs(shared_runs)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "layout, cp",
     [
-        ("cp2", 2),
-        pytest.param("cp4", 4, marks=pytest.mark.stack_independent),
-        pytest.param("dp2cp2", 2, marks=pytest.mark.stack_independent),
+        pytest.param("cp2", 2, marks=pytest.mark.stack_dependent),
+        ("cp4", 4),  # the same megatron code paths as cp2: once, on the current stack
+        ("dp2cp2", 2),
     ],
 )
 def test_every_layout_agrees_with_cp1_on_every_token(runs, layout, cp):
@@ -100,6 +93,7 @@ def _positions_verl_legacy_gets_wrong(length: int, cp: int) -> set[int]:
     return wrong
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.distributed
 def test_the_prefix_runs_flagged_tokens_are_those_its_wrong_positions_reach(runs):
     """With learned positions a token with a wrong position_id gets a wrong position embedding
@@ -144,6 +138,7 @@ def test_the_prefix_runs_flagged_tokens_are_those_its_wrong_positions_reach(runs
     assert reached_total > 0 and flagged_total >= 0.95 * reached_total
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.distributed
 def test_the_cli_gates_on_per_token_parity(runs, capsys):
     assert compare_main([str(runs["cp2"]), "--baseline", str(runs["cp1"]), "--per-token"]) == 0
@@ -198,6 +193,7 @@ def test_missing_or_mismatched_records_fail_with_the_reason(tmp_path):
 # --- first divergence ---------------------------------------------------------------------------
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.distributed
 def test_runs_that_agree_part_nowhere(runs, capsys):
     from recipe.compare.diverge import main as diverge
@@ -209,13 +205,13 @@ def test_runs_that_agree_part_nowhere(runs, capsys):
 
 
 @pytest.mark.distributed
-@pytest.mark.stack_independent
 def test_dp_and_cp_together_part_nowhere(runs):
     from recipe.compare.diverge import main as diverge
 
     assert diverge([str(runs["dp2cp2"]), str(runs["cp1"])]) == 0
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.distributed
 def test_the_prefix_run_parts_at_the_position_embedding(runs, capsys):
     from recipe.compare.diverge import main as diverge
@@ -226,6 +222,7 @@ def test_the_prefix_run_parts_at_the_position_embedding(runs, capsys):
     assert "| 0 | embedding.word_embeddings | 0 |" in out, "the module before it agrees exactly"
 
 
+@pytest.mark.stack_dependent
 def test_an_attention_mask_that_leaks_across_sequences_parts_at_core_attention(
     tmp_path, monkeypatch, capsys
 ):

@@ -43,6 +43,7 @@ def tiny_run(tmp_path_factory):
     return train(cfg), out
 
 
+@pytest.mark.stack_dependent
 def test_loss_falls(tiny_run):
     result, _ = tiny_run
     history = result["history"]
@@ -69,6 +70,7 @@ def test_metrics_and_summary_files(tiny_run):
     assert summary["wall_time_s"] > 0
 
 
+@pytest.mark.stack_dependent
 def test_micro_batching_does_not_change_the_step(tmp_path):
     """Same data, budget small enough to force several micro-batches: identical losses."""
     base = ["trainer.max_steps=3", "model.hidden_size=32"]
@@ -80,6 +82,7 @@ def test_micro_batching_does_not_change_the_step(tmp_path):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
+@pytest.mark.stack_dependent
 def test_runs_are_deterministic():
     cfg = ["trainer.max_steps=2"]
     a = train(typed_config(cfg))["history"]
@@ -100,6 +103,7 @@ def _comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if k not in ("step_time_s", "tokens_per_s")}
 
 
+@pytest.mark.stack_dependent
 def test_a_trainer_resumed_from_its_state_dict_continues_bit_for_bit():
     """Two steps, state_dict, a fresh trainer loads it and takes two more: the same records as
     four steps in one go. Restoring the weights alone (no optimizer moments, no data position)
@@ -140,6 +144,7 @@ def test_step_metrics_record_is_the_metrics_file_contract():
     assert (two["mtp_loss"], two["mtp_loss_1"], two["mtp_loss_2"]) == (1.0, 1.0, None)
 
 
+@pytest.mark.stack_dependent
 def test_bf16_autocast_trains_with_fp32_master_weights_close_to_fp32():
     """trainer.precision=bf16 runs the forward in bf16 (so its losses are NOT bit-identical to
     fp32: otherwise autocast would be silently off) within 2e-2 of fp32, and keeps fp32

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from recipe.config import ConfigError
 from recipe.data.packing import attach_images, pack_sequences
 from recipe.data.shapes import COLOURS, NUM_CAPTIONS, caption, render, shapes_dataset
-from recipe.launch.local import launch_world
 from recipe.model.mtp import mtp_label_masks, predicted_token_counts, rolled_loss_masks
 from recipe.training.trainer import train
 from tests.helpers.config import typed_config
@@ -51,22 +50,17 @@ VISION = [
 CONTROL_STEPS = 8
 CONTROL_MARGIN = 20
 
-_references: dict[tuple[str, int], list[dict]] = {}
 
-
-def _reference(mtp: str, steps: int = STEPS) -> list[dict]:
-    if (mtp, steps) not in _references:
-        cfg = typed_config([*VISION, f"mtp={mtp}", f"trainer.max_steps={steps}"])
-        _references[mtp, steps] = train(cfg)["history"]
-    return _references[mtp, steps]
+def _reference(shared_runs, mtp: str, steps: int = STEPS) -> list[dict]:
+    return shared_runs.history([*VISION, f"mtp={mtp}", f"trainer.max_steps={steps}"])
 
 
 def _gap(a: list[dict], b: list[dict], key: str) -> float:
     return max(abs(x[key] - y[key]) / abs(x[key]) for x, y in zip(a, b))
 
 
-def _control_gap(history: list[dict]) -> float:
-    reference = _reference("off", CONTROL_STEPS)
+def _control_gap(shared_runs, history: list[dict]) -> float:
+    reference = _reference(shared_runs, "off", CONTROL_STEPS)
     return max(_gap(reference, history, key) for key in ("lm_loss", "grad_norm"))
 
 
@@ -171,6 +165,7 @@ def test_bad_vision_settings_are_startup_errors(overrides, message):
 # --- the model ----------------------------------------------------------------------------------
 
 
+@pytest.mark.stack_dependent
 def test_mrope_with_three_equal_axes_is_rope():
     """Text only, every axis the 1-D position: the mrope model IS the rope model, through
     megatron's THD path and the whole network."""
@@ -195,6 +190,7 @@ def test_mrope_with_three_equal_axes_is_rope():
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.stack_dependent
 def test_mrope_refuses_3d_ids_from_outside_and_an_unset_table():
     from recipe.model.gpt import build_gpt_model
     from recipe.model.mrope import StreamRotaryEmbedding
@@ -214,33 +210,37 @@ def test_mrope_refuses_3d_ids_from_outside_and_an_unset_table():
 # --- parity on spawned gloo ranks ---------------------------------------------------------------
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.distributed
 @pytest.mark.parametrize("mtp", ["off", "on"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_cp_with_images_matches_cp1(cp, mtp):
-    reference = _reference(mtp)
-    history = launch_world(typed_config([*VISION, f"mtp={mtp}", f"cp={cp}"]))["history"]
+def test_cp_with_images_matches_cp1(shared_runs, cp, mtp):
+    reference = _reference(shared_runs, mtp)
+    history = shared_runs.history([*VISION, f"mtp={mtp}", f"cp={cp}"])
     assert [h["tokens"] for h in history] == [h["tokens"] for h in reference]
     keys = ["lm_loss", "grad_norm"] + (["mtp_loss"] if mtp == "on" else [])
     for key in keys:
         assert _gap(reference, history, key) < RTOL, key
 
 
+@pytest.mark.stack_dependent
 @pytest.mark.distributed
 @pytest.mark.parametrize("positions", ["rank_local", "stock_sharded"])
-def test_negative_control_positions_under_cp_fail_parity(positions):
+def test_negative_control_positions_under_cp_fail_parity(shared_runs, positions):
     overrides = [*VISION, "cp=2", f"vision.positions={positions}"]
-    history = launch_world(typed_config([*overrides, f"trainer.max_steps={CONTROL_STEPS}"]))
-    gap = _control_gap(history["history"])
+    history = shared_runs.history([*overrides, f"trainer.max_steps={CONTROL_STEPS}"])
+    gap = _control_gap(shared_runs, history)
     assert gap > CONTROL_MARGIN * RTOL, f"{positions} should break parity, gap was {gap:.2e}"
 
 
-def test_negative_control_1d_text_positions_fail_against_3d():
+@pytest.mark.stack_dependent
+def test_negative_control_1d_text_positions_fail_against_3d(shared_runs):
     overrides = [*VISION, "vision.positions=text_1d", f"trainer.max_steps={CONTROL_STEPS}"]
-    gap = _control_gap(train(typed_config(overrides))["history"])
+    gap = _control_gap(shared_runs, shared_runs.history(overrides))
     assert gap > CONTROL_MARGIN * RTOL, f"1-D positions in place of 3-D: gap was {gap:.2e}"
 
 
+@pytest.mark.stack_dependent
 def test_images_reach_the_caption_loss():
     """The same run with every caption paired with another sample's image must end clearly
     worse, and only the real one gets below the blind floor (the best loss without images):

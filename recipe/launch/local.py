@@ -155,9 +155,6 @@ def lone_world(seed: int = 0):
     from recipe.parallel import groups
 
     apply_cpu_compat()
-    layout = groups.init_distributed()
-    try:
+    with groups.parallel_world() as layout:
         seed_model_parallel_rng(seed)
         yield layout
-    finally:
-        groups.shutdown_distributed()

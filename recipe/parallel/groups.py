@@ -7,6 +7,7 @@ world of one (gloo), because megatron-core builds its layers against process gro
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -135,6 +136,39 @@ def shutdown_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def release_model_parallel() -> None:
+    """Forget megatron's parallel state and destroy every group but the world, which stays up:
+    the next job in the same world may use another (tp, cp, dp). megatron's own teardown only
+    drops its references, so without this each job would leave a dozen gloo groups (sockets and
+    threads) behind."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if not dist.is_initialized():
+        return
+    world = dist.group.WORLD
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not world:
+            dist.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def parallel_world(dims: ParallelDims | None = None, timeout_s: float = 300.0):
+    """Megatron's parallel state for `dims` in the world this process is in (a world of one if
+    it is in none), torn down afterwards: the world too when this call created it, else only
+    the groups, so a world that outlives the job stays usable."""
+    owns_world = not dist.is_initialized()
+    layout = init_distributed(dims, timeout_s=timeout_s)
+    try:
+        yield layout
+    finally:
+        if owns_world:
+            shutdown_distributed()
+        else:
+            release_model_parallel()
 
 
 def gradient_group():
