@@ -17,7 +17,7 @@ endif
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test lint bench clean
+.PHONY: setup train test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The inner loop: every test that starts no process (no train.py, no ranks), a couple of minutes.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not launches" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

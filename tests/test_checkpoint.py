@@ -77,18 +77,23 @@ def _kill_during_training(run_dir: Path, after_steps: int, *args: str) -> int:
     return len(logged)
 
 
+# The uninterrupted runs every resume is compared with, trained in process (cp=1) and in the
+# session's world of two (cp=2), with the run directory `train.py` would leave: what is tested
+# against them is the resumed CLI run, and train() computes the same numbers either way.
 @pytest.fixture(scope="module")
-def reference_cp1(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("reference") / "cp1"
-    _train(run_dir)
-    return run_dir
+def reference_cp1(shared_runs) -> Path:
+    return shared_runs.run_dir(RUN)
 
 
 @pytest.fixture(scope="module")
-def reference_cp2(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("reference") / "cp2"
-    _train(run_dir, "cp=2")
-    return run_dir
+def reference_cp2(shared_runs) -> Path:
+    return shared_runs.run_dir([*RUN, "cp=2"])
+
+
+def _resume_in_process(shared_runs, *args: str) -> Path:
+    """A resume whose CLI is not what is tested (another layout, a doctored checkpoint): trained
+    in process or in the session's worlds, into a run directory of its own."""
+    return shared_runs.run_dir([*RUN, *args])
 
 
 @pytest.mark.stack_dependent
@@ -112,10 +117,10 @@ def test_a_killed_run_resumes_bit_for_bit(layout, tmp_path, reference_cp1, refer
 @pytest.mark.stack_dependent
 @pytest.mark.distributed
 def test_a_cp2_checkpoint_resumes_at_cp1_within_the_parity_tolerance(
-    tmp_path, reference_cp1, reference_cp2
+    shared_runs, reference_cp1, reference_cp2
 ):
-    resumed = tmp_path / "resumed"
-    _train(resumed, f"trainer.resume={reference_cp2 / 'checkpoints' / 'step_00000008'}")
+    start = reference_cp2 / "checkpoints" / "step_00000008"
+    resumed = _resume_in_process(shared_runs, f"trainer.resume={start}")
     result = compare(load_run(resumed), load_run(reference_cp1), RTOL)
     assert result.passed, [(d.metric, d.max_rel) for d in result.diffs]
     assert result.steps_compared == 24
@@ -146,10 +151,11 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_tp_resumes_both_ways(tmp_p
 
 
 @pytest.mark.distributed
-def test_a_cp1_checkpoint_resumes_at_dp2_x_cp2_within_the_parity_tolerance(tmp_path, reference_cp1):
-    resumed = tmp_path / "resumed"
+def test_a_cp1_checkpoint_resumes_at_dp2_x_cp2_within_the_parity_tolerance(
+    shared_runs, reference_cp1
+):
     start = reference_cp1 / "checkpoints" / "step_00000016"
-    _train(resumed, f"trainer.resume={start}", "cp=2", "parallel.dp=2")
+    resumed = _resume_in_process(shared_runs, f"trainer.resume={start}", "cp=2", "parallel.dp=2")
     result = compare(load_run(resumed), load_run(reference_cp1), RTOL)
     assert result.passed, [(d.metric, d.max_rel) for d in result.diffs]
     assert ckpt.read_manifest(resumed / "checkpoints" / "step_00000024")["layout"] == {
@@ -159,7 +165,9 @@ def test_a_cp1_checkpoint_resumes_at_dp2_x_cp2_within_the_parity_tolerance(tmp_p
     }
 
 
-def test_negative_control_a_wrong_data_position_fails_the_same_comparison(tmp_path, reference_cp1):
+def test_negative_control_a_wrong_data_position_fails_the_same_comparison(
+    tmp_path, shared_runs, reference_cp1
+):
     """The within-tolerance checks above prove something only if a resume that restores the
     wrong state fails them: here the data stream restarts from the top."""
     bad = tmp_path / "bad_checkpoint"
@@ -167,13 +175,13 @@ def test_negative_control_a_wrong_data_position_fails_the_same_comparison(tmp_pa
     manifest = json.loads((bad / "manifest.json").read_text())
     manifest["data"] = {"epoch": 0, "position": 0}
     (bad / "manifest.json").write_text(json.dumps(manifest))
-    resumed = tmp_path / "resumed"
-    _train(resumed, f"trainer.resume={bad}")
+    resumed = _resume_in_process(shared_runs, f"trainer.resume={bad}")
     result = compare(load_run(resumed), load_run(reference_cp1), RTOL)
     assert result.passed is False
     assert max(d.max_rel for d in result.diffs if d.metric == "lm_loss") > 100 * RTOL
 
 
+@pytest.mark.launches
 def test_resume_refuses_another_model_and_names_what_differs(tmp_path, reference_cp1):
     done = run_train_cli(
         [*RUN, f"trainer.resume={reference_cp1}", "model.hidden_size=64"]
@@ -187,6 +195,7 @@ def test_resume_refuses_another_model_and_names_what_differs(tmp_path, reference
     assert not (tmp_path / "run" / "metrics.jsonl").exists(), "refused before training"
 
 
+@pytest.mark.launches
 def test_sigusr1_checkpoints_and_requeues_the_slurm_job(tmp_path):
     """SLURM's warning before a time limit (sbatch --signal=USR1@90): checkpoint, ask SLURM to
     run the job again, exit 128 + 10."""
@@ -208,6 +217,7 @@ def test_sigusr1_checkpoints_and_requeues_the_slurm_job(tmp_path):
     assert ckpt.complete_checkpoints(run_dir / "checkpoints")[-1][0] == len(read_metrics(run_dir))
 
 
+@pytest.mark.launches
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE stands in for a full disk")
 def test_a_checkpoint_that_cannot_be_written_names_the_path_and_keeps_no_half(tmp_path):
     """A full disk gave an ENOSPC traceback without a path. RLIMIT_FSIZE makes every file larger

@@ -197,6 +197,7 @@ def test_sbatch_script_trains_one_world_in_one_run_directory(tmp_path):
     assert "--container-workdir=/opt/recipe" in options
 
 
+@pytest.mark.launches
 def test_a_slurm_allocation_of_the_wrong_size_is_refused_with_the_sbatch_flags(tmp_path):
     env = _clean_env(
         SLURM_PROCID="0",
@@ -222,6 +223,7 @@ def test_a_slurm_allocation_of_the_wrong_size_is_refused_with_the_sbatch_flags(t
 # --- sweeps through submitit ----------------------------------------------------------------
 
 
+@pytest.mark.launches
 def test_a_submitit_launcher_without_the_plugin_names_the_extra(tmp_path):
     # A regular package named hydra_plugins, first on the path, hides the installed namespace.
     (tmp_path / "hydra_plugins").mkdir()

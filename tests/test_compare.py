@@ -105,6 +105,7 @@ def test_missing_metrics_are_reported_not_crashed_on(tmp_path):
     assert all_passed(compare_all(find_runs([tmp_path / "x"]), 1e-5))
 
 
+@pytest.mark.launches
 def test_compare_runs_script_exit_codes(tmp_path):
     good, bad = tmp_path / "good", tmp_path / "bad"
     make_run(good, "0", cp=1)
@@ -186,6 +187,7 @@ def test_failed_jobs_and_truncated_metrics_are_reported(tmp_path):
     assert "1 passed, 1 failed" in report
 
 
+@pytest.mark.launches
 def test_baseline_given_by_another_spelling_of_its_path(tmp_path, monkeypatch):
     make_run(tmp_path, "a", cp=1)
     make_run(tmp_path, "b", cp=2)
@@ -262,6 +264,7 @@ def test_a_sweep_that_fails_parity_exits_1_and_leaves_no_stale_report(tmp_path):
     assert "0 passed, 1 failed" in (tmp_path / "parity_report.md").read_text()
 
 
+@pytest.mark.launches
 def test_a_bad_compare_baseline_stops_the_sweep_before_any_job(tmp_path):
     from tests.helpers.cli import run_train_cli
 

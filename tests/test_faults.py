@@ -88,6 +88,7 @@ def _strict_json_lines(path: Path) -> list[dict]:
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.launches
 def test_a_diverging_run_stops_at_the_first_nonfinite_step_with_strict_json(tmp_path):
     """optim.lr=1e3 used to go to NaN and exit 0, with bare NaN in metrics.jsonl. (lr=1e30 here:
     it overflows on every stack's numerics, lr=1e3 only on some.)"""
@@ -144,6 +145,7 @@ def test_unknown_keys_are_refused_even_when_added_with_plus():
         typed_config(["+data.markov.ordr=3"])
 
 
+@pytest.mark.launches
 def test_a_run_directory_holds_one_job_and_is_never_overwritten(tmp_path):
     """Two jobs with the same run directory both exited 0 and one job's metrics were gone;
     reusing a directory truncated metrics.jsonl."""
@@ -195,6 +197,7 @@ def test_the_default_run_directory_is_unique_per_start():
     assert re.fullmatch(r"outputs/\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d-\d{6}", cfg.hydra.run.dir)
 
 
+@pytest.mark.launches
 def test_stale_rank_variables_are_named_not_waited_on_in_silence(tmp_path):
     """A stale RANK=0 WORLD_SIZE=2 MASTER_ADDR/PORT waited 5 minutes in silence, then printed a
     store traceback that did not say those variables made the recipe think it was launched."""
@@ -286,6 +289,7 @@ def test_unreadable_files_name_the_file_and_the_cause(tmp_path):
         load(f"data.path={latin1}")
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     "args,fragment",
     [
@@ -321,6 +325,7 @@ def test_group_choices_leave_what_hydra_owns_alone():
         assert check_group_choices(args, conf) is None, args
 
 
+@pytest.mark.launches
 def test_a_signalled_self_launched_job_exits_with_the_convention_and_one_line(tmp_path):
     """SIGTERM/SIGINT of a cp=2 job exited 1 with a 47-line traceback (cp=1: 143/130). SIGINT
     takes the same path (torch elastic's SignalException) and exits 130."""

@@ -13,6 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.launches
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs every part")
 def test_gpu_check_without_cuda_reports_every_part_skipped(tmp_path):
     result = subprocess.run(

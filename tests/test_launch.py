@@ -61,6 +61,7 @@ def test_cli_cp2_self_launches_into_exactly_one_output_directory(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
 
 
+@pytest.mark.launches
 def test_cli_bad_config_exits_2_with_the_field_named(tmp_path):
     result = run_train_cli(["model.hidden_size=33"], cwd=tmp_path, timeout=120)
     assert result.returncode == 2
@@ -71,6 +72,7 @@ def test_cli_bad_config_exits_2_with_the_field_named(tmp_path):
     assert "config error: model.hidden_size=33" in log.read_text()
 
 
+@pytest.mark.launches
 def test_cli_data_files_trains_on_a_local_jsonl(tmp_path):
     data = tmp_path / "corpus.jsonl"
     data.write_text(
@@ -153,6 +155,7 @@ def test_sweep_jobs_share_a_wandb_group_and_carry_their_overrides_as_tags(tmp_pa
     assert other.logger.wandb.group == cfg.logger.wandb.group
 
 
+@pytest.mark.launches
 def test_cli_te_backend_without_cuda_stops_before_any_work(tmp_path):
     import torch
 
