@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Processes a test may start without the `launches` marker: quick tools that are not Python.
-_QUICK_TOOLS = {"hadolint", "pgrep"}
+_QUICK_TOOLS = {"git", "hadolint", "pgrep"}
 
 
 @pytest.fixture(autouse=True)

@@ -103,7 +103,11 @@ class RanksStopped(Exception):
 
 
 # What a rank reports when it failed only because another one died first.
-_SECONDARY = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer")
+LOST_PEER_MARKERS = (
+    "Connection closed by peer",
+    "remote worker crashing",
+    "Connection reset by peer",
+)
 
 
 def _describe_failures(failures: dict) -> str:
@@ -115,7 +119,7 @@ def _describe_failures(failures: dict) -> str:
 
     def secondary(item) -> tuple:
         rank, failure = item
-        lost_peer = any(marker in _failure_text(failure) for marker in _SECONDARY)
+        lost_peer = any(marker in _failure_text(failure) for marker in LOST_PEER_MARKERS)
         # A rank the agent terminated may still have recorded its own error before: keep that.
         recorded = isinstance(failure.message, dict)
         return (lost_peer, not recorded, failure.timestamp, rank)
