@@ -28,6 +28,10 @@ def _overrides(pe: str, overrides: list[str] = ()) -> list[str]:
     return [*COMMON, f"model.position_embedding_type={pe}", *overrides]
 
 
+# cp2: the all-gather attention and zigzag index at two ranks; cp4: four chunks a rank pair and a
+# larger alignment; dp2xcp2: the gradient sum over dp x cp and data split by dp rank only. rope
+# takes its positions from cu_seqlens and the CP group, learned_absolute from position_ids (where
+# a position bug shows): each layout with both, since each pair runs a different code path.
 @pytest.mark.parametrize("pe", ["rope", "learned_absolute"])
 @pytest.mark.parametrize(
     "layout", [["cp=2"], ["cp=4"], ["cp=2", "parallel.dp=2"]], ids=["cp2", "cp4", "dp2xcp2"]

@@ -209,12 +209,16 @@ def _worst_relative_difference(
 @pytest.mark.parametrize(
     "pe,layout",
     [
+        # rope: the MTP roll under THD + CP with positions from cu_seqlens (2 and 4 chunks a rank
+        # pair); learned_absolute: the MTP block's own position embedding of each local token,
+        # where a position bug shows; dp=2 x cp=2: the counts summed over both group kinds.
         ("rope", ["cp=2"]),
         ("rope", ["cp=4"]),
         ("learned_absolute", ["cp=2"]),
         ("learned_absolute", ["cp=4"]),
         ("learned_absolute", ["cp=2", "parallel.dp=2"]),
     ],
+    ids=["rope-cp2", "rope-cp4", "learned-cp2", "learned-cp4", "learned-dp2xcp2"],
 )
 def test_exact_mtp_under_cp_and_dp_matches_cp1(shared_runs, pe, layout):
     worst = _worst_relative_difference(shared_runs, pe, "exact", layout)

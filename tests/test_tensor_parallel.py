@@ -42,6 +42,9 @@ TP2_CP2_SP = ["parallel.tp=2", "cp=2", "parallel.sequence_parallel=true"]
 
 @pytest.mark.stack_dependent
 @pytest.mark.distributed
+# tp2: megatron's parallel linears, vocab-parallel embedding and cross entropy; tp2xcp2: the
+# 2*cp*tp alignment and CP attention over tp-sharded heads; -sp: sequence-parallel norms and their
+# gradient sum. Both position types: rope's THD path and learned positions' embedding differ.
 @pytest.mark.parametrize("pe", ["rope", "learned_absolute"])
 @pytest.mark.parametrize("layout", [TP2, TP2_CP2, TP2_CP2_SP], ids=["tp2", "tp2xcp2", "tp2xcp2-sp"])
 def test_tensor_parallel_matches_tp1(shared_runs, pe, layout):

@@ -212,6 +212,8 @@ def test_mrope_refuses_3d_ids_from_outside_and_an_unset_table():
 
 @pytest.mark.stack_dependent
 @pytest.mark.distributed
+# The full mrope table sliced per sequence by megatron's THD rope at 2 and 4 chunk pairs; mtp=on
+# adds the MTP block reading the same 3-D positions.
 @pytest.mark.parametrize("mtp", ["off", "on"])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_with_images_matches_cp1(shared_runs, cp, mtp):

@@ -3,15 +3,16 @@
 Starting ranks is what a test suite on two cores pays for: every spawned rank imports torch and
 megatron-core again (seconds each). `WorldPool` starts one world per world size the first time a
 test needs it and keeps it: each job (a function and its arguments, run on every rank) joins the
-world that is already up, builds megatron's groups for its own (tp, cp, dp), and releases them
-when it ends (`groups.parallel_world`, as `train()` sees a world it did not create). So a
-cp=2 job, a tp=2 job and a dp=2 job all run in the same two processes, one after another.
+world that is already up and builds megatron's groups for its own (tp, cp, dp) (`train()` joins
+a world it did not create and leaves it up); the rank destroys those groups after the job
+(`groups.release_model_parallel`). So a cp=2 job, a tp=2 job and a dp=2 job all run in the same
+two processes, one after another.
 
 The ranks are real gloo ranks with torchrun's variables and an env:// rendezvous on loopback,
 started on a CPU as forks of a server that has imported torch, megatron-core and the trainer
-once; `python train.py cp=2`'s own launch path stays covered by the CLI tests.
-A job that fails on any rank ends that world (its traceback comes back
-in `WorldFailed`); the next job of that size starts a fresh one.
+once; `python train.py cp=2`'s own launch path stays covered by the CLI tests. A job that
+fails on any rank ends that world (its traceback comes back in `WorldFailed`); the next job of
+that size starts a fresh one.
 """
 
 from __future__ import annotations
