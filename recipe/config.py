@@ -65,8 +65,11 @@ class ModelConfig:
     """RoPE base frequency."""
     attention_backend: str = "auto"
     """auto | torch (the recipe's varlen attention, CPU or GPU) | te (Transformer Engine, GPU)."""
-    init_method_std: float = 0.02
-    """Std of the normal weight initialisation."""
+    init_method_std: float = 0.1
+    """Std of the normal weight initialisation. 0.1 for this hidden size of 64 (about
+    0.8/sqrt(hidden)): at 0.02 the first layer's residual stream is so small that one AdamW step
+    (about lr per element) rotates its token-shared direction, and every later RMSNorm carries
+    the flip to the logits (docs/stability.md). The larger model configs keep 0.02."""
     tie_embeddings: bool = False
     """Share input embedding and output layer weights."""
     make_vocab_size_divisible_by: int = 128
@@ -413,6 +416,29 @@ class OptimConfig:
 
 
 @dataclass
+class LossSpikeConfig:
+    """Spike detection by the step guard (recipe/training/guard.py)."""
+
+    factor: float = 5.0
+    """A step whose lm_loss, or grad_norm, exceeds factor x the median of that value over the
+    previous `window` applied, unflagged steps is a spike (0: no spike detection)."""
+    window: int = 10
+    """How many previous steps the median is taken over; the first `window` steps are not
+    judged."""
+    action: str = "warn"
+    """warn (log it in the step's record and the summary, apply the step) | skip_step (also
+    leave the weights and optimizer state as they were) | stop (end the run with an error)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.factor == 0 or self.factor > 1,
+            f"trainer.loss_spike.factor must be > 1 (or 0: off), got {self.factor}",
+        )
+        _positive("trainer.loss_spike.window", self.window)
+        _one_of("trainer.loss_spike.action", self.action, ("warn", "skip_step", "stop"))
+
+
+@dataclass
 class TrainerConfig:
     """The training loop."""
 
@@ -434,6 +460,8 @@ class TrainerConfig:
     """A step whose loss or gradient norm is NaN/inf: stop (log it, leave the weights at the last
     finite step and end the run with an error naming the step) | skip_step (log it, do not update,
     go on)."""
+    loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
+    """Loss and gradient-norm spikes: judged with the non-finite check, before the update."""
     collective_timeout_s: float = 300.0
     """How long any collective (on every process group, megatron's included) may wait for the
     other ranks before the job ends with an error: a stalled rank cannot hang the job longer."""

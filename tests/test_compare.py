@@ -337,3 +337,16 @@ def test_a_golden_file_round_trips_and_a_perturbed_curve_fails(tmp_path, capsys)
     assert main([str(same), "--golden", str(tmp_path / "nope.json")]) == 2
     assert "cannot read golden file" in capsys.readouterr().err
     assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--export-golden", "x.json"]) == 2
+
+
+def test_the_report_notes_runs_with_spikes_and_which_were_not_applied(tmp_path):
+    make_run(tmp_path, "0", cp=1)
+    spiky = make_run(tmp_path, "1", cp=2)
+    rows = [json.loads(line) for line in (spiky / "metrics.jsonl").read_text().splitlines()]
+    rows[2]["spike"] = {"lm_loss": 3.2}
+    rows[3].update(spike={"grad_norm": 7.0}, skipped=True)
+    (spiky / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = render_markdown(compare_all(find_runs([tmp_path]), 1e-5), 1e-5)
+    assert "2 spike step(s) flagged by the step guard (steps 3, 4, not applied: 4)" in report
+    quiet = render_markdown(compare_all(find_runs([tmp_path / "0"]), 1e-5), 1e-5)
+    assert "spike" not in quiet

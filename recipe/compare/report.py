@@ -96,6 +96,7 @@ def render_markdown(
         cells = [job, "-", "-"] + ["-"] * (3 * len(metrics)) + ["-", "-", "**FAIL** (job failed)"]
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"- {labels[c.run.path]}: {n}" for c in comparisons for n in c.notes]
+    notes += [f"- {labels[c.run.path]}: {_spikes(c.run)}" for c in comparisons if _spikes(c.run)]
     missed = [
         f"- {labels[c.run.path]}: lm_loss {_margin(d, rtol)} rtol"
         + (f"; {tokens[c.run.path]}" if c.run.path in tokens else "")
@@ -118,6 +119,17 @@ def render_markdown(
     passed = len([c for c in compared if c.passed])
     lines += ["", f"{passed} passed, {len(failed)} failed"]
     return "\n".join(lines) + "\n"
+
+
+def _spikes(run) -> str:
+    """A note on the steps the step guard flagged as spikes (empty when there are none)."""
+    flagged = [r for r in run.metrics if r.get("spike")]
+    if not flagged:
+        return ""
+    skipped = [r["step"] for r in flagged if r.get("skipped")]
+    steps = ", ".join(str(r["step"]) for r in flagged)
+    tail = f", not applied: {', '.join(map(str, skipped))}" if skipped else ""
+    return f"{len(flagged)} spike step(s) flagged by the step guard (steps {steps}{tail})"
 
 
 REPORT_FILE = "parity_report.md"

@@ -13,6 +13,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from recipe.config import ConfigError, TrainConfig
+from recipe.errors import RecipeError
 from recipe.log import quiet_libraries
 
 
@@ -138,7 +139,7 @@ def _describe_failures(failures: dict) -> str:
     return "\n".join(lines)
 
 
-class RanksFailed(RuntimeError):
+class RanksFailed(RecipeError, RuntimeError):
     """A self-launched rank failed; the message carries its traceback."""
 
 

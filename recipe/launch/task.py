@@ -13,20 +13,18 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from recipe.config import ConfigError, TrainConfig
+from recipe.errors import RecipeError
 from recipe.launch.environment import ProcessEnvironment, adopt_environment, launched_world_problem
-from recipe.launch.local import RanksFailed, RanksStopped, check_launchable, launch_world
+from recipe.launch.local import RanksStopped, check_launchable, launch_world
 from recipe.launch.rundir import claim_run_directory
 from recipe.log import get_logger, quiet_libraries
-from recipe.parallel.cp.shard import PreprocessMismatch
 from recipe.training.checkpoint import (
-    CheckpointWriteError,
     read_manifest,
     resolve_resume,
     resume_differences,
 )
-from recipe.training.loggers import OutputWriteError
 from recipe.training.preemption import Preempted
-from recipe.training.trainer import NonFiniteStep, check_run_choices, train
+from recipe.training.trainer import check_run_choices, train
 
 log = get_logger(__name__)
 
@@ -88,21 +86,14 @@ def run(cfg: DictConfig):
             f"{where}{err}; continue with trainer.resume=auto hydra.run.dir={typed.output_dir}"
         )
         raise SystemExit(err.exit_code) from None
-    except (
-        ConfigError,
-        RanksFailed,
-        NonFiniteStep,
-        OutputWriteError,
-        CheckpointWriteError,
-        PreprocessMismatch,
-    ) as err:
+    except RecipeError as err:  # each carries its exit code
         if multirun:
             if where:
                 log.error(f"{where}failed: {err}")
             raise  # Hydra marks the job failed; the sweep's parity report lists it
         prefix = "config error: " if isinstance(err, ConfigError) else ""
         log.error(f"{where}{prefix}{err}")
-        raise SystemExit(2 if isinstance(err, ConfigError) else 1) from None
+        raise SystemExit(err.exit_code) from None
     except Exception:
         if where:  # what Hydra prints next carries no rank: say whose traceback it is
             log.exception(f"{where}failed with an unexpected error")

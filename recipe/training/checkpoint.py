@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from recipe.config import TrainConfig
-from recipe.errors import ConfigError
+from recipe.errors import ConfigError, RecipeError
 from recipe.parallel import collectives
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -48,7 +48,7 @@ MUST_MATCH = ("model", "mtp", "vision", "data", "batching.tokens_per_step")
 REPORTED = ("optim", "trainer.max_steps")
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(RecipeError, OSError):
     """A checkpoint could not be written (full disk, permissions); the message names the path."""
 
 

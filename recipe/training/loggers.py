@@ -20,6 +20,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from recipe.errors import RecipeError
+
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 
@@ -27,7 +29,7 @@ SUMMARY_FILE = "summary.json"
 RESUMED = "resumed"
 
 
-class OutputWriteError(OSError):
+class OutputWriteError(RecipeError, OSError):
     """A run output could not be written; the message names the file and the cause."""
 
 

@@ -10,7 +10,7 @@ out rather than written as null. The summary's `gap_closed` is the share of the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 FINAL_WINDOW = 10
 
@@ -44,6 +44,10 @@ class StepMetrics:
     known (a known GPU, or trainer.peak_tflops)."""
     eval_lm_loss: float | None = None
     """Set on eval steps (every trainer.eval_every steps and the last)."""
+    spike: dict[str, float] = field(default_factory=dict)
+    """The step guard's spike findings: each flagged value's ratio to its window's median."""
+    skipped: bool = False
+    """A spike the guard did not apply (trainer.loss_spike.action=skip_step or stop)."""
 
     @property
     def mtp_loss(self) -> float | None:
@@ -72,6 +76,10 @@ class StepMetrics:
                 record[key] = getattr(self, key)
         if self.eval_lm_loss is not None:
             record["eval_lm_loss"] = self.eval_lm_loss
+        if self.spike:
+            record["spike"] = dict(self.spike)
+            if self.skipped:
+                record["skipped"] = True
         nonfinite = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
         if nonfinite:
             # Strict JSON has no NaN: null, and the reason beside it.
@@ -118,6 +126,7 @@ def summarize(
     if None not in (final_eval, entropy_floor, baseline_loss) and baseline_loss > entropy_floor:
         gap_closed = (baseline_loss - final_eval) / (baseline_loss - entropy_floor)
     skipped = [h["step"] for h in history if h.get("nonfinite")]
+    spikes = [h["step"] for h in history if h.get("spike")]
     summary = {
         "final_lm_loss": final_lm,
         "final_eval_lm_loss": final_eval,
@@ -132,4 +141,7 @@ def summarize(
         summary["final_mtp_loss"] = sum(mtp) / len(mtp)
     if skipped:
         summary["nonfinite_steps"] = skipped
+    summary["spikes"] = len(spikes)
+    if spikes:
+        summary["spike_steps"] = spikes
     return {k: _finite_or_none(v) for k, v in summary.items()}

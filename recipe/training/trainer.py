@@ -11,7 +11,6 @@ dp=1 update. The Trainer holds model, optimizer, data stream and step counter, a
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from pathlib import Path
@@ -22,7 +21,9 @@ from recipe.config import TrainConfig
 from recipe.data.batching import StepStream, chunk_for_eval
 from recipe.data.corpus import Corpus, load_corpus
 from recipe.data.thd import aligned_length
+from recipe.errors import StepRefused
 from recipe.launch.environment import read_environment
+from recipe.log import get_logger
 from recipe.model.compat import (
     captured_token_losses,
     check_te_cp_comm_type,
@@ -51,6 +52,7 @@ from recipe.training.checkpoint import (
     resume_differences,
     save_checkpoint,
 )
+from recipe.training.guard import StepGuard
 from recipe.training.loggers import NullLogger, RunLogger
 from recipe.training.metrics import StepMetrics, mtp_layer_means, optimised_loss, summarize
 from recipe.training.optimizer import build_optimizer, grad_norm, lr_at, set_lr
@@ -64,9 +66,15 @@ from recipe.training.throughput import (
 from recipe.training.tokens import token_columns, token_rows, write_token_records
 from recipe.training.trace import ActivationTrace, gradients_of, write_trace
 
+_log = get_logger(__name__)
 
-class NonFiniteStep(RuntimeError):
+
+class NonFiniteStep(StepRefused):
     """A step's loss or gradient norm was NaN/inf (trainer.on_nonfinite=stop)."""
+
+
+class LossSpike(StepRefused):
+    """A step's lm_loss or gradient norm spiked (trainer.loss_spike.action=stop)."""
 
 
 class CollectiveTimeout(RuntimeError):
@@ -109,6 +117,10 @@ class Trainer:
         self.history: list[dict] = []
         """metrics.jsonl records of the steps taken."""
         self.checkpoint_dir = Path(cfg.output_dir) / CHECKPOINTS_DIR if cfg.output_dir else None
+        self.guard = StepGuard.from_config(cfg.trainer)
+        """Judges each step before its update (non-finite values, spikes)."""
+        self.stop_reason: str | None = None
+        """Set by a step the guard stops the run at, once that step is logged."""
 
     def _plan(self, sequences: list[list[int]], check_preprocess: bool = False) -> StepWork:
         return plan_step(
@@ -129,13 +141,16 @@ class Trainer:
                 record = self.train_step().to_record()
                 self.history.append(record)
                 self.logger.log_step(record)
-                if record.get("nonfinite") and self.cfg.trainer.on_nonfinite == "stop":
-                    values = ", ".join(f"{k}=nan/inf" for k in record["nonfinite"])
-                    raise NonFiniteStep(
-                        f"step {self.step}: {values}; the weights stay at step {self.step - 1} "
-                        "(trainer.on_nonfinite=stop). Lower optim.lr or raise "
-                        "optim.warmup_steps, or set trainer.on_nonfinite=skip_step to skip such "
-                        "steps"
+                if self.stop_reason is not None:
+                    refused = NonFiniteStep if record.get("nonfinite") else LossSpike
+                    raise refused(self.stop_reason)
+                if record.get("spike"):
+                    what = "not applied" if record.get("skipped") else "applied"
+                    action = self.cfg.trainer.loss_spike.action
+                    _log.warning(
+                        f"step {self.step}: spike: {self.guard.describe_record(record)}; the step "
+                        f"was {what} (trainer.loss_spike.action={action})",
+                        rank_zero_only=True,
                     )
                 with self._collectives_in("the end-of-step signal check"):
                     signum = collectives.max_over_ranks(stop.signum, self.device)
@@ -181,9 +196,13 @@ class Trainer:
         with self._collectives_in("the loss all-reduce"):
             totals = self._reduce(totals, work)
         lm_loss = totals[0][0] / work.global_predicted_tokens
-        if math.isfinite(lm_loss) and math.isfinite(norm):
-            self.optimizer.step()  # every rank reduced the same values: all skip, or none
         mtp_sums = [s for s, _ in totals[1:]]
+        loss = optimised_loss(lm_loss, mtp_sums, mtp_counts, self.cfg.mtp.loss_scaling_factor)
+        # Every rank reduced the same values, so every rank takes the same decision.
+        verdict = self.guard.judge(self.step, {"lm_loss": lm_loss, "grad_norm": norm, "loss": loss})
+        if verdict.take_step:
+            self.optimizer.step()
+        self.stop_reason = verdict.stop
         step_time = time.perf_counter() - step_start
         world = self.layout.world_size
         mfu = None
@@ -195,7 +214,7 @@ class Trainer:
         metrics = StepMetrics(
             step=self.step,
             lm_loss=lm_loss,
-            loss=optimised_loss(lm_loss, mtp_sums, mtp_counts, self.cfg.mtp.loss_scaling_factor),
+            loss=loss,
             mtp_layer_losses=mtp_layer_means(mtp_sums, mtp_counts),
             grad_norm=norm,
             lr=lr,
@@ -208,6 +227,8 @@ class Trainer:
                 work.global_real_tokens / step_time / world if self.device.type == "cuda" else None
             ),
             mfu=mfu,
+            spike=verdict.spike,
+            skipped=bool(verdict.spike) and not verdict.take_step,
         )
         every = self.cfg.trainer.eval_every
         if self.step == self.cfg.trainer.max_steps or (every and self.step % every == 0):
@@ -369,6 +390,7 @@ class Trainer:
         self.steps.load_state_dict(manifest["data"])
         self.step = int(manifest["step"])
         self.history = list(manifest["history"])
+        self.guard.rebuild(self.history)
         return changes
 
     def state_dict(self) -> dict:
@@ -388,6 +410,7 @@ class Trainer:
         self.steps.load_state_dict(state["data"])
         self.step = int(state["step"])
         self.history = list(state["history"])
+        self.guard.rebuild(self.history)
 
 
 def build_model(

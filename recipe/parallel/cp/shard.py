@@ -10,12 +10,13 @@ difference between them can only come from the positions.
 from __future__ import annotations
 
 from recipe.data.packing import PackedBatch
+from recipe.errors import RecipeError
 from recipe.parallel.cp import contract
 from recipe.parallel.cp.verl import VERL_VARIANTS, verl_preprocess
 from recipe.parallel.cp.zigzag import shard_tensors, zigzag_index
 
 
-class PreprocessMismatch(RuntimeError):
+class PreprocessMismatch(RecipeError, RuntimeError):
     """A user's cp.preprocess function differs from the index path on a training micro-batch."""
 
 
