@@ -71,7 +71,9 @@ def test_rebuild_from_history_equals_the_window_built_step_by_step():
         {"step": 3, "lm_loss": 2.0, "grad_norm": 0.9},
         {"step": 4, "lm_loss": 9.0, "grad_norm": 0.9, "spike": {"lm_loss": 4.0}},
         {"step": 5, "lm_loss": 1.5, "grad_norm": 0.8},
+        {"step": 6, "lm_loss": 1.4, "grad_norm": 0.7, "eval_lm_loss": None},
     ]
+    history[-1]["nonfinite"] = ["eval_lm_loss"]  # judged values finite: remembered
     live = StepGuard("skip_step", 2.0, 2, "warn")
     for r in history:
         lm = math.nan if r["lm_loss"] is None else r["lm_loss"]
@@ -81,7 +83,7 @@ def test_rebuild_from_history_equals_the_window_built_step_by_step():
     assert {k: list(v) for k, v in rebuilt.recent.items()} == {
         k: list(v) for k, v in live.recent.items()
     }
-    assert list(rebuilt.recent["lm_loss"]) == [2.0, 1.5]
+    assert list(rebuilt.recent["lm_loss"]) == [1.5, 1.4]
 
 
 @pytest.mark.parametrize(

@@ -102,5 +102,8 @@ class StepGuard:
         for window in self.recent.values():
             window.clear()
         for record in history:
-            if not record.get("nonfinite") and not record.get("spike"):
+            # As judge() did: a step is remembered unless a judged value was non-finite or it
+            # was flagged (an eval loss alone being non-finite does not exclude it).
+            judged_nonfinite = set(record.get("nonfinite", ())) & {*JUDGED, "loss"}
+            if not judged_nonfinite and not record.get("spike"):
                 self.remember({key: record[key] for key in JUDGED})
