@@ -199,7 +199,9 @@ class Trainer:
         mtp_sums = [s for s, _ in totals[1:]]
         loss = optimised_loss(lm_loss, mtp_sums, mtp_counts, self.cfg.mtp.loss_scaling_factor)
         # Every rank reduced the same values, so every rank takes the same decision.
-        verdict = self.guard.judge(self.step, {"lm_loss": lm_loss, "grad_norm": norm, "loss": loss})
+        # In the record's order, so a non-finite step is described as its record lists it.
+        judged = {"lm_loss": lm_loss, "loss": loss, "grad_norm": norm}
+        verdict = self.guard.judge(self.step, judged)
         if verdict.take_step:
             self.optimizer.step()
         self.stop_reason = verdict.stop
