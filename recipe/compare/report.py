@@ -96,7 +96,7 @@ def render_markdown(
         cells = [job, "-", "-"] + ["-"] * (3 * len(metrics)) + ["-", "-", "**FAIL** (job failed)"]
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"- {labels[c.run.path]}: {n}" for c in comparisons for n in c.notes]
-    notes += [f"- {labels[c.run.path]}: {_spikes(c.run)}" for c in comparisons if _spikes(c.run)]
+    notes += [f"- {labels[c.run.path]}: {note}" for c in comparisons if (note := _spikes(c.run))]
     missed = [
         f"- {labels[c.run.path]}: lm_loss {_margin(d, rtol)} rtol"
         + (f"; {tokens[c.run.path]}" if c.run.path in tokens else "")

@@ -68,8 +68,9 @@ class StepGuard:
         if verdict.spike:
             verdict.take_step = self.action == "warn"
             if self.action == "stop":
+                found = self.describe(verdict.spike, values)
                 verdict.stop = (
-                    f"step {step}: {self.describe(verdict, values)}; the weights stay at step "
+                    f"step {step}: {found}; the weights stay at step "
                     f"{step - 1} (trainer.loss_spike.action=stop). Lower optim.lr or raise "
                     "optim.warmup_steps; trainer.loss_spike.action=skip_step skips such steps, "
                     "warn only reports them"
@@ -78,14 +79,8 @@ class StepGuard:
             self.remember(values)
         return verdict
 
-    def describe(self, verdict: Verdict, values: dict[str, float]) -> str:
-        return self._describe(verdict.spike, values)
-
-    def describe_record(self, record: dict) -> str:
-        """The spike findings of a metrics record, in words."""
-        return self._describe(record["spike"], record)
-
-    def _describe(self, spike: dict[str, float], values) -> str:
+    def describe(self, spike: dict[str, float], values) -> str:
+        """Spike findings in words; `values` is the judged values or the step's metrics record."""
         window = self.recent[JUDGED[0]].maxlen
         found = ", ".join(
             f"{key}={values[key]:.4g} is {ratio:.1f} x the median of the previous {window} steps"

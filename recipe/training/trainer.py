@@ -147,8 +147,9 @@ class Trainer:
                 if record.get("spike"):
                     what = "not applied" if record.get("skipped") else "applied"
                     action = self.cfg.trainer.loss_spike.action
+                    found = self.guard.describe(record["spike"], record)
                     _log.warning(
-                        f"step {self.step}: spike: {self.guard.describe_record(record)}; the step "
+                        f"step {self.step}: spike: {found}; the step "
                         f"was {what} (trainer.loss_spike.action={action})",
                         rank_zero_only=True,
                     )
