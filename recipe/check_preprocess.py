@@ -18,7 +18,7 @@ from recipe.parallel.cp.contract import ContractError, Mismatch, first_mismatch,
 
 
 class _Failed(Exception):
-    def __init__(self, mismatch: Mismatch):
+    def __init__(self, mismatch):
         super().__init__(mismatch.describe())
         self.mismatch = mismatch
 
@@ -46,8 +46,9 @@ def micro_batches(max_sequences: int = 12, max_length: int = 400):
     return draw()
 
 
-def check(fn, cases: int = 1000, seed: int = 0) -> tuple[Mismatch | None, int]:
-    """(the minimal failing case or None, how many cases ran)."""
+def search(strategy, case_mismatch, cases: int, seed: int) -> tuple[object | None, int]:
+    """Draw `cases` values of `strategy`; the first for which `case_mismatch(value)` returns a
+    finding is shrunk by hypothesis to a minimal one. (the minimal finding or None, cases run)."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as hypothesis_seed
 
@@ -61,20 +62,24 @@ def check(fn, cases: int = 1000, seed: int = 0) -> tuple[Mismatch | None, int]:
         suppress_health_check=list(HealthCheck),
         print_blob=False,
     )
-    @given(micro_batches())
+    @given(strategy)
     def one_case(case):
         nonlocal ran
         ran += 1
-        lengths, cp, tp = case
-        mismatch = first_mismatch(fn, lengths, cp, tp)
-        if mismatch is not None:
-            raise _Failed(mismatch)
+        finding = case_mismatch(case)
+        if finding is not None:
+            raise _Failed(finding)
 
     try:
         one_case()
     except _Failed as failed:
         return failed.mismatch, ran
     return None, ran
+
+
+def check(fn, cases: int = 1000, seed: int = 0) -> tuple[Mismatch | None, int]:
+    """(the minimal failing case or None, how many cases ran)."""
+    return search(micro_batches(), lambda case: first_mismatch(fn, *case), cases, seed)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,8 +56,14 @@ class Mismatch:
     chunk: int
     expected: float
     got: float
+    note: str = ""
 
     def describe(self) -> str:
+        if self.note:
+            return (
+                f"lengths={list(self.lengths)} cp={self.cp_size} tp={self.tp_size}: rank "
+                f"{self.cp_rank}: {self.note}"
+            )
         half = "front" if self.chunk < self.cp_size else "back"
         return (
             f"lengths={list(self.lengths)} cp={self.cp_size} tp={self.tp_size}: rank "
@@ -112,8 +118,16 @@ def global_batch(sequences: list[list[int]], cp_size: int, tp_size: int) -> Pack
     return pack_sequences(sequences, 2 * cp_size * tp_size, PAD_ID)
 
 
+LAYOUT_KEY = "cu_seqlens_padded"
+
+
 def call(fn: Callable, sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size) -> dict:
-    """Call `fn` per the contract and return its output as {field: tensor}."""
+    """Call `fn` per the contract and return its output as {field: tensor}.
+
+    A function that chooses its own padding (upstream ones do: fp8 alignment, length buckets,
+    minimum rows) returns its global `cu_seqlens_padded` beside the fields; this rank's slots are
+    then laid out on those boundaries instead of the ones it was given.
+    """
     kwargs = {"tp_size": tp_size} if _takes_tp_size(fn) else {}
     out = fn([torch.as_tensor(s) for s in sequences], cu_seqlens_padded, cp_size, cp_rank, **kwargs)
     if isinstance(out, tuple):
@@ -123,12 +137,14 @@ def call(fn: Callable, sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size) 
                 "position_ids) or a dict"
             )
         out = {"input_ids": out[0], "position_ids": out[1]}
-    if not isinstance(out, dict) or not out or set(out) - set(FIELDS):
+    if not isinstance(out, dict) or not set(out) - {LAYOUT_KEY} or set(out) - {*FIELDS, LAYOUT_KEY}:
         raise ContractError(
             f"returned {type(out).__name__} {sorted(out) if isinstance(out, dict) else ''}; the "
             f"contract is (input_ids, position_ids) or a dict with keys among {', '.join(FIELDS)}"
         )
-    expected = int(cu_seqlens_padded[-1]) // cp_size
+    out = dict(out)
+    layout = out.pop(LAYOUT_KEY, cu_seqlens_padded)
+    expected = int(layout[-1]) // cp_size
     for name, value in out.items():
         if not isinstance(value, Tensor) or value.dim() != 1 or value.numel() != expected:
             shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
@@ -136,6 +152,7 @@ def call(fn: Callable, sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size) 
                 f"{name} has shape {shape}; this rank holds {expected} slots "
                 f"(cu_seqlens_padded[-1] / cp_size)"
             )
+    out[LAYOUT_KEY] = torch.as_tensor(layout).to(torch.int64).cpu()
     return out
 
 
@@ -147,6 +164,45 @@ def _takes_tp_size(fn: Callable) -> bool:
     return "tp_size" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+def _stream(sequences: list[list[int]], cu: Tensor) -> dict[str, Tensor]:
+    """The ground truth on every global slot of the boundaries `cu`: token, position, next-token
+    label, loss mask, whether the slot holds a real token, and its sequence."""
+    lengths = cu.diff()
+    seq_of_slot = torch.repeat_interleave(torch.arange(len(sequences)), lengths)
+    position = torch.arange(int(cu[-1])) - cu[:-1].repeat_interleave(lengths)
+    real_len = torch.tensor([len(s) for s in sequences]).repeat_interleave(lengths)
+    tokens = torch.zeros(int(cu[-1]), dtype=torch.int64)
+    labels = torch.zeros(int(cu[-1]), dtype=torch.int64)
+    for i, seq in enumerate(sequences):
+        start = int(cu[i])
+        tokens[start : start + len(seq)] = torch.tensor(seq)
+        labels[start : start + len(seq) - 1] = torch.tensor(seq[1:], dtype=torch.int64)
+    return {
+        "input_ids": tokens,
+        "position_ids": position,
+        "labels": labels,
+        "loss_mask": (position + 1 < real_len).to(torch.int64),
+        "real": position < real_len,
+        "sequence": seq_of_slot,
+    }
+
+
+def _layout_problem(lengths: list[int], cu: Tensor, cp_size: int) -> str | None:
+    """Why boundaries returned by a function cannot hold these sequences in zigzag CP, or None."""
+    if cu.dim() != 1 or cu.numel() != len(lengths) + 1 or int(cu[0]) != 0:
+        return f"cu_seqlens_padded {cu.tolist()} does not describe {len(lengths)} sequences"
+    for i, (padded, real) in enumerate(zip(cu.diff().tolist(), lengths)):
+        if padded < real:
+            return f"sequence {i} has {real} tokens but a padded length of {padded}"
+        if cp_size > 1 and padded % (2 * cp_size):
+            return (
+                f"sequence {i}'s padded length {padded} is not a multiple of 2*cp={2 * cp_size}: "
+                "the zigzag chunks of megatron's CP attention cannot split it (and the function "
+                "leaves rows of it on no rank)"
+            )
+    return None
+
+
 def first_mismatch(
     fn: Callable, lengths: list[int], cp_size: int, tp_size: int = 1
 ) -> Mismatch | None:
@@ -155,31 +211,32 @@ def first_mismatch(
     wrong place cannot match by accident."""
     stride = max(lengths) + 1
     sequences = [[1 + stride * i + j for j in range(n)] for i, n in enumerate(lengths)]
-    batch = global_batch(sequences, cp_size, tp_size)
-    cu = batch.cu_seqlens_padded
-    real = batch.position_ids < torch.repeat_interleave(
-        torch.tensor(lengths), cu.diff().to(torch.int64)
-    )
-    seq_of_slot = torch.repeat_interleave(torch.arange(len(lengths)), cu.diff().to(torch.int64))
+    cu_given = global_batch(sequences, cp_size, tp_size).cu_seqlens_padded
     for rank in range(cp_size):
+        got = call(fn, sequences, cu_given, cp_size, rank, tp_size)
+        cu = got.pop(LAYOUT_KEY)
+        problem = _layout_problem(lengths, cu, cp_size)
+        if problem is not None:
+            return Mismatch(tuple(lengths), cp_size, tp_size, rank, LAYOUT_KEY, -1, -1, -1, -1,
+                            0, 0, note=problem)  # fmt: skip
+        truth = _stream(sequences, cu)
         index = zigzag_index(cu, cp_size, rank)
-        got = call(fn, sequences, cu, cp_size, rank, tp_size)
         checked = {
-            "input_ids": real[index],
-            "position_ids": real[index],
-            "labels": batch.loss_mask[index] > 0,
+            "input_ids": truth["real"][index],
+            "position_ids": truth["real"][index],
+            "labels": truth["loss_mask"][index] > 0,
             "loss_mask": torch.ones(index.numel(), dtype=torch.bool),
         }
         for name in FIELDS:
             if name not in got:
                 continue
-            want = getattr(batch, name).index_select(0, index).double()
+            want = truth[name].index_select(0, index).double()
             have = got[name].double().cpu()
             wrong = checked[name] & (want != have)
             if bool(wrong.any()):
                 slot = int(wrong.nonzero()[0])
                 g = int(index[slot])
-                seq = int(seq_of_slot[g])
+                seq = int(truth["sequence"][g])
                 position = g - int(cu[seq])
                 chunk = position // (int(cu[seq + 1] - cu[seq]) // (2 * cp_size))
                 return Mismatch(

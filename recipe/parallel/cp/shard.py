@@ -9,6 +9,8 @@ difference between them can only come from the positions.
 
 from __future__ import annotations
 
+import torch
+
 from recipe.data.packing import PackedBatch
 from recipe.errors import RecipeError
 from recipe.parallel.cp import contract
@@ -61,6 +63,13 @@ def shard_batch(
                 "minimal case; cp.check_steps=0 skips this check"
             )
     out = contract.call(fn, sequences, batch.cu_seqlens_padded, cp_size, cp_rank, tp_size)
+    layout = out.pop(contract.LAYOUT_KEY)
+    if not bool(torch.equal(layout, batch.cu_seqlens_padded.to(torch.int64).cpu())):
+        raise PreprocessMismatch(
+            f"cp.preprocess={method} pads the micro-batch its own way (cu_seqlens_padded "
+            f"{layout.tolist()}, the batch has {batch.cu_seqlens_padded.tolist()}); training uses "
+            "the batch's boundaries, so set the function's padding options to match them"
+        )
     for name, value in out.items():
         local[name] = value.to(local[name].dtype)
     return batch.replace(**local)

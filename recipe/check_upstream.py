@@ -1,0 +1,176 @@
+"""Check the CP preprocessing functions of a released library against the ground truth:
+`python -m recipe.check_upstream LIBRARY[@VERSION] [--function NAME] [--cases N] [--seed S]
+[--fixed KEY=VALUE ...] [--control]`.
+
+LIBRARY is `verl` or `megatron-bridge`; without a version the installed release is read, with
+one its wheel is fetched with pip (no dependencies) into a cache. Each function runs twice: at
+its default options, then with every option of its signature that changes the layout drawn
+(`--fixed` pins one). Micro-batches are drawn as by `recipe.check_preprocess` (cp 2/4/8, tp 1/2);
+on a difference hypothesis shrinks the case and the minimal one is printed with the options, the
+rank, slot, field, expected and got. A function that raises on a valid input is a finding too.
+`--control` runs each function's deliberately broken copy instead, which must be flagged.
+Exit 0 = every function passed, 1 = a finding, 2 = cannot run (says what is missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+from recipe.check_preprocess import micro_batches, search
+from recipe.parallel.cp.contract import ContractError, first_mismatch
+from recipe.upstream.adapters import LIBRARIES, Loaded, load, parse_spec
+from recipe.upstream.source import UpstreamUnavailable
+
+
+@dataclass(frozen=True)
+class Finding:
+    lengths: tuple[int, ...]
+    cp_size: int
+    tp_size: int
+    options: tuple[tuple[str, object], ...]
+    what: str
+
+    def describe(self) -> str:
+        options = ", ".join(f"{k}={v}" for k, v in self.options) or "defaults"
+        return f"options: {options}; {self.what}"
+
+
+def case_finding(loaded: Loaded, lengths, cp_size, tp_size, options: dict) -> Finding | None:
+    fn = loaded.contract_function(options)
+    try:
+        mismatch = first_mismatch(fn, list(lengths), cp_size, tp_size)
+    except ContractError as err:
+        what = f"lengths={list(lengths)} cp={cp_size} tp={tp_size}: breaks the contract: {err}"
+    except Exception as err:  # noqa: BLE001 (an upstream function raising is the finding)
+        what = (
+            f"lengths={list(lengths)} cp={cp_size} tp={tp_size}: raises {type(err).__name__}: {err}"
+        )
+    else:
+        if mismatch is None:
+            return None
+        what = mismatch.describe()
+    return Finding(tuple(lengths), cp_size, tp_size, tuple(sorted(options.items())), what)
+
+
+def options_strategy(loaded: Loaded, fixed: dict):
+    from hypothesis import strategies as st
+
+    drawn = {
+        name: st.just(fixed[name]) if name in fixed else st.sampled_from(values)
+        for name, values in loaded.drawn.items()
+    }
+    return st.fixed_dictionaries(drawn)
+
+
+def check_target(loaded: Loaded, cases: int, seed: int, fixed: dict, drawn: bool):
+    """(finding or None, cases run) at the defaults (drawn=False) or with options drawn."""
+    from hypothesis import strategies as st
+
+    if drawn:
+        options = options_strategy(loaded, fixed)
+    else:
+        options = st.just({k: v for k, v in fixed.items() if k in loaded.drawn})
+    strategy = st.tuples(micro_batches(), options)
+
+    def one(case):
+        (lengths, cp_size, tp_size), chosen = case
+        chosen = {k: v for k, v in chosen.items() if v is not None}
+        return case_finding(loaded, lengths, cp_size, tp_size, chosen)
+
+    return search(strategy, one, cases, seed)
+
+
+def _value(text: str):
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def parse_fixed(pairs: list[str]) -> dict:
+    fixed = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UpstreamUnavailable(
+                f"--fixed {pair!r}: write KEY=VALUE, e.g. use_fp8_padding=false"
+            )
+        fixed[key] = _value(value)
+    return fixed
+
+
+def run(spec: str, function: str | None, cases: int, seed: int, fixed: dict,
+        control: bool) -> int:  # fmt: skip
+    library, version = parse_spec(spec)
+    targets = [t for t in LIBRARIES[library].targets if function in (None, t.name)]
+    if not targets:
+        names = ", ".join(t.name for t in LIBRARIES[library].targets)
+        raise UpstreamUnavailable(
+            f"{library} has no checked function {function!r}; checked: {names}"
+        )
+    found = 0
+    for target in targets:
+        loaded = load(library, version, target)
+        unknown = set(fixed) - set(loaded.drawn)
+        if unknown:
+            raise UpstreamUnavailable(
+                f"--fixed {', '.join(sorted(unknown))}: not a drawn option of {loaded.label} "
+                f"(drawn: {', '.join(loaded.drawn) or 'none'})"
+            )
+        if control:
+            loaded = loaded.broken_copy()
+        alias = (
+            ""
+            if loaded.function_name == target.name.split(".")[-1]
+            else (f" (named {loaded.function_name} in this release)")
+        )
+        print(f"{loaded.label}{alias}{' [broken copy]' if control else ''}: {target.file}")
+        for name, why in loaded.skipped.items():
+            print(f"  not drawn: {name}: {why}")
+        modes = [("default options", False)]
+        if loaded.drawn:
+            modes.append((f"options drawn ({', '.join(loaded.drawn)})", True))
+        for title, drawn in modes:
+            start = time.perf_counter()
+            finding, ran = check_target(loaded, cases, seed, fixed, drawn)
+            took = time.perf_counter() - start
+            if finding is None:
+                print(f"  PASS {title}: {ran} cases on every rank, {took:.1f} s")
+            else:
+                found += 1
+                print(f"  FAIL {title} (minimal case after {ran} cases, {took:.1f} s):")
+                print(f"    {finding.describe()}")
+    return 1 if found else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m recipe.check_upstream", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("library", help="verl or megatron-bridge, optionally @VERSION")
+    parser.add_argument("--function", help="check only this function (as the report names it)")
+    parser.add_argument("--cases", type=int, default=200, help="micro-batches per mode (200)")
+    parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (0)")
+    parser.add_argument("--fixed", action="append", default=[], metavar="KEY=VALUE",
+                        help="pin a drawn option, e.g. use_fp8_padding=false")  # fmt: skip
+    parser.add_argument("--control", action="store_true",
+                        help="check each function's deliberately broken copy (must FAIL)")  # fmt: skip
+    args = parser.parse_args(argv)
+    try:
+        return run(args.library, args.function, args.cases, args.seed, parse_fixed(args.fixed),
+                   args.control)  # fmt: skip
+    except UpstreamUnavailable as err:
+        print(f"check_upstream: {args.library}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Adapters: each released CP preprocessing function, called the way its library calls it and
+returned in the checker's contract (`recipe/parallel/cp/contract.py`).
+
+One registry, `LIBRARIES`: per library, the functions checked, the file each lives in, and the
+imports stubbed to load that file without the package's `__init__`:
+- verl: `verl/models/mcore/util.py`, with `verl.utils.device` (only `is_npu_available`, set to
+  False: the NPU branch is not a CPU path) and `verl.utils.model` (`CausalLMOutputForPPO`, a
+  return type of functions not checked) stubbed; `verl/__init__` imports ray.
+- megatron-bridge: the per-model-family copies of `preprocess_packed_seqs`, with each family's
+  `transformer_config` module stubbed (a config dataclass the function never reads).
+The functions read cp/tp from megatron's `parallel_state` (`mpu`); the adapter gives the loaded
+module a stand-in that answers with the drawn rank and sizes, so one process plays every rank.
+
+Every option of a function's signature is either drawn, fixed with the reason, or unknown; an
+unknown one refuses the check (exit 2), since a new option may change the layout.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
+
+
+class ParallelStateStandIn:
+    """What the upstream functions ask of megatron's parallel_state, for one drawn rank."""
+
+    def __init__(self, cp_size: int, cp_rank: int, tp_size: int):
+        self.cp_size, self.cp_rank, self.tp_size = cp_size, cp_rank, tp_size
+
+    def get_context_parallel_world_size(self) -> int:
+        return self.cp_size
+
+    def get_context_parallel_rank(self) -> int:
+        return self.cp_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tp_size
+
+
+@dataclass(frozen=True)
+class Target:
+    """One upstream function: where it lives and how it takes its input."""
+
+    name: str  # as the CLI and the report name it
+    file: str  # inside the wheel
+    functions: tuple[str, ...]  # its name, then older names of the same function
+    style: str  # "thd": a nested (jagged) batch of sequences; "bshd": [b, s] with a mask
+    stubs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Library:
+    distribution: str
+    targets: tuple[Target, ...]
+
+
+_VERL_STUBS = {
+    "verl.utils.device": {"is_npu_available": False},
+    "verl.utils.model": {},
+}
+_VERL_UTIL = "verl/models/mcore/util.py"
+_BRIDGE_MODELS = "megatron/bridge/models"
+
+LIBRARIES: dict[str, Library] = {
+    "verl": Library(
+        "verl",
+        (
+            # named preprocess_thd_no_padding up to 0.7.1
+            Target(
+                "preprocess_thd_engine",
+                _VERL_UTIL,
+                ("preprocess_thd_engine", "preprocess_thd_no_padding"),
+                "thd",
+                _VERL_STUBS,
+            ),
+            Target(
+                "preprocess_packed_seqs",
+                _VERL_UTIL,
+                ("preprocess_packed_seqs",),
+                "bshd",
+                _VERL_STUBS,
+            ),
+        ),  # fmt: skip
+    ),
+    "megatron-bridge": Library(
+        "megatron-bridge",
+        (
+            Target(
+                "qwen3_vl.preprocess_packed_seqs",
+                f"{_BRIDGE_MODELS}/qwen_vl/modelling_qwen3_vl/utils.py",
+                ("preprocess_packed_seqs",),
+                "bshd",
+                {"megatron.bridge.models.qwen_vl.modelling_qwen3_vl.transformer_config": {}},
+            ),
+            Target(
+                "exaone45.preprocess_packed_seqs",
+                f"{_BRIDGE_MODELS}/exaone/exaone45/modelling_exaone45/utils.py",
+                ("preprocess_packed_seqs",),
+                "bshd",
+                {
+                    "megatron.bridge.models.exaone.exaone45.modelling_exaone45.transformer_config": {}
+                },
+            ),
+        ),
+    ),
+}
+
+# Options every adapter sets itself, with why they are not drawn.
+FIXED = {
+    "input_ids": "the drawn sequences",
+    "attention_mask": "the drawn mask",
+    "pre_process": "True: the first pipeline stage, the one that shards the tokens",
+    "need_roll": "both: False for tokens, positions and the loss mask, True for the labels",
+    "pg_collection": "None: the rank is read from parallel_state, as without process groups",
+    "local_cp_size": "None: dynamic CP needs megatron's dynamic CP groups (not drawn)",
+}
+# Options drawn, with their values (None = the function's default).
+DRAWN = {
+    "use_fp8_padding": (False, True),
+    "min_local_rows": (None, 1, 2, 3, 5, 8, 13, 64),
+    "pad_to_length_bucket": (None, 1, 2, 3, 4, 6, 8, 16, 100, 128),
+}
+# Not options of the function but of its input, drawn for the [b, s] + mask functions.
+INPUT_OPTIONS = {
+    "mask_side": ("right", "left"),
+    "mask_dtype": ("bool", "int64"),
+}
+
+
+def _packed_seq_params_has(name: str) -> bool:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return name in inspect.signature(PackedSeqParams.__init__).parameters
+
+
+@dataclass
+class Loaded:
+    """A target loaded from one release: its function and the options it draws."""
+
+    library: str
+    version: str
+    target: Target
+    module: object
+    function_name: str
+    drawn: dict[str, tuple]
+    skipped: dict[str, str]
+
+    @property
+    def function(self) -> Callable:
+        return getattr(self.module, self.function_name)
+
+    @property
+    def label(self) -> str:
+        return f"{self.library}@{self.version} {self.target.name}"
+
+    def contract_function(self, options: dict) -> Callable:
+        """The function as the checker calls it: (sequences, cu, cp, rank, tp) -> fields."""
+        call = _thd_fields if self.target.style == "thd" else _bshd_fields
+
+        def per_rank(sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size=1):
+            self.module.mpu = ParallelStateStandIn(cp_size, cp_rank, tp_size)
+            return call(self.function, sequences, options)
+
+        return per_rank
+
+    def broken_copy(self) -> Loaded:
+        """The negative control: the same function with the back chunk's start moved by one."""
+        source = inspect.getsource(self.function)
+        line = "remain_start = seqlen_padded_i - half_seqlen * (cp_rank + 1)"
+        if line not in source:
+            raise UpstreamUnavailable(
+                f"{self.label}: the negative control's line `{line}` is not in this release's "
+                "function; the adapter must learn its new shape"
+            )
+        namespace = dict(vars(self.module))
+        exec(source.replace(line, line + " + 1"), namespace)  # noqa: S102 (our own mutation)
+        broken = type(self.module)(self.module.__name__ + "_broken")
+        vars(broken).update(namespace)
+        return Loaded(self.library, self.version, self.target, broken, self.function_name,
+                      self.drawn, self.skipped)  # fmt: skip
+
+
+def parse_spec(spec: str) -> tuple[str, str | None]:
+    library, _, version = spec.partition("@")
+    if library not in LIBRARIES:
+        known = ", ".join([*LIBRARIES, "megatron-core"])
+        raise UpstreamUnavailable(f"unknown library {library!r}; known: {known}")
+    return library, (version or None)
+
+
+def load(library: str, version: str | None, target: Target) -> Loaded:
+    path, version = source_file(LIBRARIES[library].distribution, version, target.file)
+    tag = f"{library}_{version}_{target.name}".replace(".", "_").replace("-", "_")
+    module = load_module(path, f"recipe_upstream_{tag}", target.stubs)
+    name = next((n for n in target.functions if callable(getattr(module, n, None))), None)
+    if name is None:
+        raise UpstreamUnavailable(
+            f"{library}@{version} has none of {', '.join(target.functions)} in {target.file}"
+        )
+    drawn: dict[str, tuple] = {}
+    skipped: dict[str, str] = {}
+    for param in inspect.signature(getattr(module, name)).parameters:
+        if param in FIXED:
+            skipped[param] = FIXED[param]
+        elif param == "cp_layout" and not _packed_seq_params_has("cp_partition_mode"):
+            skipped[param] = (
+                "zigzag only: the installed megatron-core's PackedSeqParams has no "
+                "cp_partition_mode, and the function refuses 'contiguous' without it"
+            )
+        elif param == "cp_layout":
+            skipped[param] = "zigzag only: the checker's ground truth is the zigzag layout"
+        elif param in DRAWN:
+            drawn[param] = DRAWN[param]
+        else:
+            raise UpstreamUnavailable(
+                f"{library}@{version} {name} has an option the adapter does not know: {param!r}. "
+                "It may change the layout, so the check stops; teach recipe/upstream/adapters.py "
+                "what it does (draw it or fix it with a reason)"
+            )
+    if target.style == "bshd":
+        drawn.update(INPUT_OPTIONS)
+    return Loaded(library, version, target, module, name, drawn, skipped)
+
+
+def _nested(tensors: list) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
+
+
+def _label_mask(n: int) -> torch.Tensor:
+    return (torch.arange(n) + 1 < n).to(torch.int64)
+
+
+def _thd_fields(function: Callable, sequences, options: dict) -> dict:
+    """verl's engine path: tokens and positions from one call, labels from the same call with
+    need_roll=True (as model_forward rolls the label tensor), the loss mask sharded as a
+    per-token tensor (1 where a next token exists)."""
+    ids = _nested([s.to(torch.int64) for s in sequences])
+    tokens, params, positions = function(ids, pre_process=True, need_roll=False, **options)
+    labels = function(ids, pre_process=True, need_roll=True, **options)[0]
+    masks = _nested([_label_mask(s.numel()) for s in sequences])
+    loss_mask = function(masks, pre_process=True, need_roll=False, **options)[0]
+    return {
+        "input_ids": tokens.reshape(-1),
+        "position_ids": positions.reshape(-1),
+        "labels": labels.reshape(-1),
+        "loss_mask": loss_mask.reshape(-1),
+        "cu_seqlens_padded": params.cu_seqlens_q_padded,
+    }
+
+
+def _bshd_fields(function: Callable, sequences, options: dict) -> dict:
+    """The packed-BSHD path: [b, s] rows with an attention mask; labels and the loss mask are
+    [b, s] tensors sharded by the same function, as verl's and Bridge's forwards do."""
+    options = dict(options)
+    side = options.pop("mask_side", "right")
+    dtype = getattr(torch, options.pop("mask_dtype", "bool"))
+    width = max(s.numel() for s in sequences) + 2
+    rows = {k: torch.zeros(len(sequences), width, dtype=torch.int64) for k in ("t", "l", "m")}
+    mask = torch.zeros(len(sequences), width, dtype=torch.bool)
+    for i, seq in enumerate(sequences):
+        n = seq.numel()
+        where = slice(0, n) if side == "right" else slice(width - n, width)
+        mask[i, where] = True
+        rows["t"][i, where] = seq
+        rows["l"][i, where] = torch.cat([seq[1:], seq.new_zeros(1)])
+        rows["m"][i, where] = _label_mask(n)
+    mask = mask.to(dtype)
+    tokens, params = function(rows["t"], mask, pre_process=True, **options)
+    labels = function(rows["l"], mask, pre_process=True, **options)[0]
+    loss_mask = function(rows["m"], mask, pre_process=True, **options)[0]
+    return {
+        "input_ids": tokens.reshape(-1),
+        "labels": labels.reshape(-1),
+        "loss_mask": loss_mask.reshape(-1),
+        "cu_seqlens_padded": params.cu_seqlens_q_padded,
+    }

@@ -1,0 +1,132 @@
+"""Where an upstream library's source comes from, and loading one of its modules by path.
+
+`installed` reads the file of the package installed in this environment (without importing the
+package). A version fetches that release's wheel with `pip download --no-deps` into a cache
+(`$RECIPE_UPSTREAM_CACHE`, default `~/.cache/recipe/upstream`) and reads the file from it.
+
+The module is then executed under a private name, so the package's own `__init__` never runs
+(verl's imports ray). Its imports of megatron-core and torch are the real installed ones; only
+the imports named in `stubs` are replaced, each by a placeholder module whose attributes the
+checked function never calls (the adapters in `adapters.py` say which and why).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+from recipe.errors import RecipeError
+
+
+class UpstreamUnavailable(RecipeError):
+    """The library, its release, or one of its files cannot be had here (exit 2)."""
+
+    exit_code = 2
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RECIPE_UPSTREAM_CACHE", Path.home() / ".cache/recipe/upstream"))
+
+
+def installed_version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise UpstreamUnavailable(
+            f"{distribution} is not installed in this environment; install it "
+            f"(`pip install {distribution}`) or name a release: {distribution}@VERSION"
+        ) from None
+
+
+def installed_file(distribution: str, relative: str) -> Path:
+    installed_version(distribution)
+    path = Path(importlib.metadata.distribution(distribution).locate_file(relative))
+    if not path.is_file():
+        raise UpstreamUnavailable(f"the installed {distribution} has no {relative}")
+    return path
+
+
+def fetched_file(distribution: str, version: str, relative: str) -> Path:
+    """`relative` from the release's wheel, downloaded once into the cache."""
+    folder = cache_root() / f"{distribution}-{version}"
+    target = folder / "files" / relative
+    if target.is_file():
+        return target
+    wheel = next(folder.glob("*.whl"), None) if folder.is_dir() else None
+    if wheel is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        # --ignore-requires-python: the file is read, not installed, so a release that asks for
+        # a newer Python (megatron-bridge 0.6.2 wants 3.12) can still be checked from 3.11.
+        command = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--ignore-requires-python", "--quiet", "--dest", str(folder),
+            f"{distribution}=={version}",
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True)
+        wheel = next(folder.glob("*.whl"), None)
+        if done.returncode != 0 or wheel is None:
+            why = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise UpstreamUnavailable(
+                f"pip cannot fetch {distribution}=={version}: {why}. Check the version exists on "
+                f"PyPI (`pip index versions {distribution}`) and that PyPI is reachable"
+            )
+    with zipfile.ZipFile(wheel) as archive:
+        if relative not in archive.namelist():
+            raise UpstreamUnavailable(f"{wheel.name} has no {relative}")
+        archive.extract(relative, folder / "files")
+    return target
+
+
+def source_file(distribution: str, version: str | None, relative: str) -> tuple[Path, str]:
+    """(the file, the version it is from); version None = the installed release."""
+    if version is None:
+        return installed_file(distribution, relative), installed_version(distribution)
+    return fetched_file(distribution, version, relative), version
+
+
+class _Placeholder(types.ModuleType):
+    """A stub module: every attribute is an inert class, so `from stub import Name` works."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = type(name, (), {"__module__": self.__name__})
+        setattr(self, name, value)
+        return value
+
+
+def load_module(path: Path, name: str, stubs: dict[str, dict]) -> types.ModuleType:
+    """Execute the file at `path` as module `name`, with the modules in `stubs` (name -> the
+    attributes it must have) present only while it runs."""
+    saved = {key: sys.modules.get(key) for key in stubs}
+    for key, attributes in stubs.items():
+        module = _Placeholder(key)
+        module.__path__ = []  # a package, so stubs below it import too
+        for attribute, value in attributes.items():
+            setattr(module, attribute, value)
+        sys.modules[key] = module
+    try:
+        loader = importlib.machinery.SourceFileLoader(name, str(path))
+        spec = importlib.util.spec_from_loader(name, loader)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            loader.exec_module(module)
+        except ImportError as err:
+            raise UpstreamUnavailable(
+                f"{path.name} needs {err.name or err} to load ({err}); install it in this "
+                "environment"
+            ) from None
+        return module
+    finally:
+        for key, before in saved.items():
+            if before is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = before
