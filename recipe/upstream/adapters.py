@@ -197,6 +197,10 @@ def load(library: str, version: str | None, target: Target) -> Loaded:
     path, version = source_file(LIBRARIES[library].distribution, version, target.file)
     tag = f"{library}_{version}_{target.name}".replace(".", "_").replace("-", "_")
     module = load_module(path, f"recipe_upstream_{tag}", target.stubs)
+    logger = getattr(module, "logger", None)
+    if logger is not None and not hasattr(logger, "warning_once"):
+        # verl's package __init__ (not run here) adds Logger.warning_once; the function calls it
+        logger.warning_once = logger.warning
     name = next((n for n in target.functions if callable(getattr(module, n, None))), None)
     if name is None:
         raise UpstreamUnavailable(
