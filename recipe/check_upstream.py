@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fixed", action="append", default=[], metavar="KEY=VALUE",
                         help="pin a drawn option, e.g. use_fp8_padding=false")  # fmt: skip
     parser.add_argument("--control", action="store_true",
-                        help="check each function's deliberately broken copy (must FAIL)")  # fmt: skip
+                        help="check each function's broken copy (must FAIL)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         return run(args.library, args.function, args.cases, args.seed, parse_fixed(args.fixed),

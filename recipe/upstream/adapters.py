@@ -65,6 +65,7 @@ _VERL_STUBS = {
 }
 _VERL_UTIL = "verl/models/mcore/util.py"
 _BRIDGE_MODELS = "megatron/bridge/models"
+_EXAONE = "megatron.bridge.models.exaone.exaone45.modelling_exaone45"
 
 LIBRARIES: dict[str, Library] = {
     "verl": Library(
@@ -103,7 +104,7 @@ LIBRARIES: dict[str, Library] = {
                 ("preprocess_packed_seqs",),
                 "bshd",
                 {
-                    "megatron.bridge.models.exaone.exaone45.modelling_exaone45.transformer_config": {}
+                    f"{_EXAONE}.transformer_config": {}
                 },
             ),
         ),
