@@ -103,9 +103,7 @@ LIBRARIES: dict[str, Library] = {
                 f"{_BRIDGE_MODELS}/exaone/exaone45/modelling_exaone45/utils.py",
                 ("preprocess_packed_seqs",),
                 "bshd",
-                {
-                    f"{_EXAONE}.transformer_config": {}
-                },
+                {f"{_EXAONE}.transformer_config": {}},
             ),
         ),
     ),
