@@ -116,15 +116,17 @@ def run(spec: str, function: str | None, cases: int, seed: int, fixed: dict,
         raise UpstreamUnavailable(
             f"{library} has no checked function {function!r}; checked: {names}"
         )
+    loaded_targets = [load(library, version, target) for target in targets]
+    drawn_anywhere = {name for loaded in loaded_targets for name in loaded.drawn}
+    unknown = set(fixed) - drawn_anywhere
+    if unknown:
+        raise UpstreamUnavailable(
+            f"--fixed {', '.join(sorted(unknown))}: not a drawn option of {spec}'s checked "
+            f"functions (drawn: {', '.join(sorted(drawn_anywhere)) or 'none'})"
+        )
     found = 0
-    for target in targets:
-        loaded = load(library, version, target)
-        unknown = set(fixed) - set(loaded.drawn)
-        if unknown:
-            raise UpstreamUnavailable(
-                f"--fixed {', '.join(sorted(unknown))}: not a drawn option of {loaded.label} "
-                f"(drawn: {', '.join(loaded.drawn) or 'none'})"
-            )
+    for loaded in loaded_targets:
+        target = loaded.target
         if control:
             loaded = loaded.broken_copy()
         alias = (

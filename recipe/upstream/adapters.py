@@ -176,10 +176,11 @@ class Loaded:
                 f"{self.label}: the negative control's line `{line}` is not in this release's "
                 "function; the adapter must learn its new shape"
             )
-        namespace = dict(vars(self.module))
-        exec(source.replace(line, line + " + 1"), namespace)  # noqa: S102 (our own mutation)
+        # The copy is executed in the new module's own namespace, so the stand-in for
+        # parallel_state that contract_function sets on that module is what the copy reads.
         broken = type(self.module)(self.module.__name__ + "_broken")
-        vars(broken).update(namespace)
+        vars(broken).update({k: v for k, v in vars(self.module).items() if k != "__name__"})
+        exec(source.replace(line, line + " + 1"), vars(broken))  # noqa: S102 (our own mutation)
         return Loaded(self.library, self.version, self.target, broken, self.function_name,
                       self.drawn, self.skipped)  # fmt: skip
 
@@ -263,22 +264,22 @@ def _bshd_fields(function: Callable, sequences, options: dict) -> dict:
     side = options.pop("mask_side", "right")
     dtype = getattr(torch, options.pop("mask_dtype", "bool"))
     width = max(s.numel() for s in sequences) + 2
-    rows = {k: torch.zeros(len(sequences), width, dtype=torch.int64) for k in ("t", "l", "m")}
+    rows = {
+        k: torch.zeros(len(sequences), width, dtype=torch.int64)
+        for k in ("input_ids", "labels", "loss_mask")
+    }
     mask = torch.zeros(len(sequences), width, dtype=torch.bool)
     for i, seq in enumerate(sequences):
         n = seq.numel()
         where = slice(0, n) if side == "right" else slice(width - n, width)
         mask[i, where] = True
-        rows["t"][i, where] = seq
-        rows["l"][i, where] = torch.cat([seq[1:], seq.new_zeros(1)])
-        rows["m"][i, where] = _label_mask(n)
+        rows["input_ids"][i, where] = seq
+        rows["labels"][i, where] = torch.cat([seq[1:], seq.new_zeros(1)])
+        rows["loss_mask"][i, where] = _label_mask(n)
     mask = mask.to(dtype)
-    tokens, params = function(rows["t"], mask, pre_process=True, **options)
-    labels = function(rows["l"], mask, pre_process=True, **options)[0]
-    loss_mask = function(rows["m"], mask, pre_process=True, **options)[0]
+    sharded = {k: function(v, mask, pre_process=True, **options) for k, v in rows.items()}
+    fields = {k: out[0].reshape(-1) for k, out in sharded.items()}
     return {
-        "input_ids": tokens.reshape(-1),
-        "labels": labels.reshape(-1),
-        "loss_mask": loss_mask.reshape(-1),
-        "cu_seqlens_padded": params.cu_seqlens_q_padded,
+        **fields,
+        "cu_seqlens_padded": sharded["input_ids"][1].cu_seqlens_q_padded,
     }

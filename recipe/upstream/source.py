@@ -46,7 +46,8 @@ def installed_version(distribution: str) -> str:
 
 
 def installed_file(distribution: str, relative: str) -> Path:
-    installed_version(distribution)
+    """`relative` inside the installed release (call installed_version first: it names the
+    problem when the library is not installed)."""
     path = Path(importlib.metadata.distribution(distribution).locate_file(relative))
     if not path.is_file():
         raise UpstreamUnavailable(f"the installed {distribution} has no {relative}")
@@ -87,7 +88,8 @@ def fetched_file(distribution: str, version: str, relative: str) -> Path:
 def source_file(distribution: str, version: str | None, relative: str) -> tuple[Path, str]:
     """(the file, the version it is from); version None = the installed release."""
     if version is None:
-        return installed_file(distribution, relative), installed_version(distribution)
+        version = installed_version(distribution)
+        return installed_file(distribution, relative), version
     return fetched_file(distribution, version, relative), version
 
 
