@@ -252,7 +252,9 @@ class CPConfig:
     """Context-parallel ranks; each holds 2 zigzag chunks of every sequence."""
     preprocess: str = "index"
     """index (one zigzag index for every tensor) | verl_fixed | verl_legacy (pre-PR-6267 bug) |
-    package.module:function (your own; the contract is in recipe/parallel/cp/contract.py)."""
+    package.module:function (your own; the contract is in recipe/parallel/cp/contract.py) |
+    LIBRARY@VERSION[/FUNCTION] (a released upstream function, e.g. verl@0.7.1, verl@installed;
+    the wheel is fetched with pip into a cache at start-up)."""
     check_steps: int = 1
     """With your own preprocess function: check it against the index path on every micro-batch
     of the first this many steps, and stop at the first difference (0: do not check)."""
@@ -262,7 +264,15 @@ class CPConfig:
     always all-gathers K/V."""
 
     def __post_init__(self) -> None:
-        if ":" in self.preprocess:
+        if "@" in self.preprocess:  # a released function, loaded by the start-up check
+            from recipe.upstream.adapters import parse_preprocess_spec
+            from recipe.upstream.source import UpstreamUnavailable
+
+            try:
+                parse_preprocess_spec(self.preprocess)
+            except UpstreamUnavailable as err:
+                raise ConfigError(f"cp.preprocess={self.preprocess}: {err}") from None
+        elif ":" in self.preprocess:
             from recipe.parallel.cp.contract import load_function
 
             try:

@@ -185,6 +185,14 @@ def tp_group():
     return parallel_state.get_tensor_model_parallel_group()
 
 
+def megatron_parallel_state():
+    """megatron's parallel_state module itself, for released functions that read their ranks
+    from it (recipe/upstream/adapters.py)."""
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
 def cp_group():
     from megatron.core import parallel_state
 

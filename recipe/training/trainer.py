@@ -21,7 +21,7 @@ from recipe.config import TrainConfig
 from recipe.data.batching import StepStream, chunk_for_eval
 from recipe.data.corpus import Corpus, load_corpus
 from recipe.data.thd import aligned_length
-from recipe.errors import StepRefused
+from recipe.errors import ConfigError, StepRefused
 from recipe.launch.environment import read_environment
 from recipe.log import get_logger
 from recipe.model.compat import (
@@ -466,6 +466,21 @@ def check_run_choices(cfg: TrainConfig, device: torch.device) -> None:
     check_backend_and_precision(backend, precision, cuda=device.type == "cuda")
     if backend == "te" and cfg.cp.size > 1:
         check_te_cp_comm_type(cfg.cp.comm_type, transformer_engine_version())
+    check_upstream_preprocess(cfg.cp.preprocess)
+
+
+def check_upstream_preprocess(preprocess: str) -> None:
+    """A released function named by cp.preprocess (LIBRARY@VERSION) is fetched and loaded before
+    any rank starts, so a missing release is a start-up error, not a failure in every rank."""
+    from recipe.upstream.adapters import checking_preprocess, is_preprocess_spec
+    from recipe.upstream.source import UpstreamUnavailable
+
+    if not is_preprocess_spec(preprocess):
+        return
+    try:
+        checking_preprocess(preprocess)
+    except UpstreamUnavailable as err:
+        raise ConfigError(f"cp.preprocess={preprocess}: {err}") from None
 
 
 def _set_threads(local_world: int) -> None:

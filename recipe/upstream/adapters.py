@@ -17,6 +17,7 @@ unknown one refuses the check (exit 2), since a new option may change the layout
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -157,12 +158,21 @@ class Loaded:
     def label(self) -> str:
         return f"{self.library}@{self.version} {self.target.name}"
 
-    def contract_function(self, options: dict) -> Callable:
-        """The function as the checker calls it: (sequences, cu, cp, rank, tp) -> fields."""
+    def contract_function(self, options: dict, parallel_state=None) -> Callable:
+        """The function as the checker calls it: (sequences, cu, cp, rank, tp) -> fields.
+
+        Without `parallel_state` one process plays every rank: the function reads the rank it
+        is asked for from a stand-in. In training, `parallel_state` is megatron's own, so the
+        function reads this process's true rank, as it does in its library; a rank that
+        disagrees with the one the recipe asks for is an error, not a silent mix."""
         call = _thd_fields if self.target.style == "thd" else _bshd_fields
 
         def per_rank(sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size=1):
-            self.module.mpu = ParallelStateStandIn(cp_size, cp_rank, tp_size)
+            if parallel_state is None:
+                self.module.mpu = ParallelStateStandIn(cp_size, cp_rank, tp_size)
+            else:
+                self.module.mpu = parallel_state
+                _check_true_rank(self.label, parallel_state, cp_size, cp_rank, tp_size)
             return call(self.function, sequences, options)
 
         return per_rank
@@ -185,12 +195,69 @@ class Loaded:
                       self.drawn, self.skipped)  # fmt: skip
 
 
+def _check_true_rank(label: str, parallel_state, cp_size: int, cp_rank: int, tp_size: int):
+    says = (
+        parallel_state.get_context_parallel_world_size(),
+        parallel_state.get_context_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
+    if says != (cp_size, cp_rank, tp_size):
+        raise RuntimeError(
+            f"{label}: megatron's parallel state says (cp size, cp rank, tp size) = {says}, the "
+            f"recipe shards for {(cp_size, cp_rank, tp_size)}; the function would shard for "
+            "another rank than the one training this micro-batch"
+        )
+
+
 def parse_spec(spec: str) -> tuple[str, str | None]:
     library, _, version = spec.partition("@")
     if library not in LIBRARIES:
         known = ", ".join([*LIBRARIES, "megatron-core"])
         raise UpstreamUnavailable(f"unknown library {library!r}; known: {known}")
-    return library, (version or None)
+    return library, (None if version in ("", "installed") else version)
+
+
+def is_preprocess_spec(text: str) -> bool:
+    """`cp.preprocess` names a released function: `LIBRARY@VERSION[/FUNCTION]`. `@` cannot
+    appear in a `package.module:function` path, so the two spellings never collide."""
+    return "@" in text
+
+
+def parse_preprocess_spec(text: str) -> tuple[str, str | None, Target]:
+    """`verl@0.7.1`, `verl@installed`, `megatron-bridge@0.6.2/qwen3_vl.preprocess_packed_seqs`
+    -> (library, version or None for the installed one, target). Without /FUNCTION: the
+    library's first function (verl: preprocess_thd_engine)."""
+    spec, _, function = text.partition("/")
+    library, version = parse_spec(spec)
+    if not spec.partition("@")[2]:
+        raise UpstreamUnavailable(
+            f"{text!r} names no version: write {library}@VERSION (a release on PyPI, e.g. "
+            f"{library}@0.9.1) or {library}@installed"
+        )
+    targets = LIBRARIES[library].targets
+    target = next((t for t in targets if t.name == function), None) if function else targets[0]
+    if target is None:
+        names = ", ".join(t.name for t in targets)
+        raise UpstreamUnavailable(f"{library} has no checked function {function!r}; known: {names}")
+    return library, version, target
+
+
+@functools.cache
+def training_preprocess(text: str) -> Callable:
+    """The released function named by `cp.preprocess=LIBRARY@VERSION[/FUNCTION]` in the
+    contract's interface, at its default options, reading megatron's real parallel state (loaded
+    once per process: the first call fetches the release's wheel if it is not cached)."""
+    from recipe.parallel import groups
+
+    library, version, target = parse_preprocess_spec(text)
+    return load(library, version, target).contract_function({}, groups.megatron_parallel_state())
+
+
+@functools.cache
+def checking_preprocess(text: str) -> Callable:
+    """The same function with one process playing every rank (the start-up check)."""
+    library, version, target = parse_preprocess_spec(text)
+    return load(library, version, target).contract_function({})
 
 
 def load(library: str, version: str | None, target: Target) -> Loaded:
@@ -200,7 +267,8 @@ def load(library: str, version: str | None, target: Target) -> Loaded:
     logger = getattr(module, "logger", None)
     if logger is not None and not hasattr(logger, "warning_once"):
         # verl's package __init__ (not run here) adds Logger.warning_once; the function calls it
-        logger.warning_once = logger.warning
+        # with a note on its own padding (not a finding), which stays at debug level here
+        logger.warning_once = logger.debug
     name = next((n for n in target.functions if callable(getattr(module, n, None))), None)
     if name is None:
         raise UpstreamUnavailable(

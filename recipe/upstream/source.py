@@ -16,8 +16,10 @@ import importlib.machinery
 import importlib.metadata
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import types
 import zipfile
 from pathlib import Path
@@ -62,27 +64,46 @@ def fetched_file(distribution: str, version: str, relative: str) -> Path:
         return target
     wheel = next(folder.glob("*.whl"), None) if folder.is_dir() else None
     if wheel is None:
-        folder.mkdir(parents=True, exist_ok=True)
+        wheel = _download_wheel(distribution, version, folder)
+    with zipfile.ZipFile(wheel) as archive:
+        if relative not in archive.namelist():
+            raise UpstreamUnavailable(f"{wheel.name} has no {relative}")
+        # extracted beside, then renamed: ranks that load the same file at once never read
+        # a half-written one
+        scratch = Path(tempfile.mkdtemp(dir=folder, prefix=".extract-"))
+        archive.extract(relative, scratch)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(scratch / relative, target)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _download_wheel(distribution: str, version: str, folder: Path) -> Path:
+    """The release's wheel, downloaded by pip into a scratch folder and renamed into the cache,
+    so concurrent fetches (every rank of a run) each see a whole wheel or none."""
+    folder.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=folder, prefix=".download-"))
+    try:
         # --ignore-requires-python: the file is read, not installed, so a release that asks for
         # a newer Python (megatron-bridge 0.6.2 wants 3.12) can still be checked from 3.11.
         command = [
             sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--ignore-requires-python", "--quiet", "--dest", str(folder),
+            "--ignore-requires-python", "--quiet", "--dest", str(scratch),
             f"{distribution}=={version}",
         ]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True)
-        wheel = next(folder.glob("*.whl"), None)
-        if done.returncode != 0 or wheel is None:
+        fetched = next(scratch.glob("*.whl"), None)
+        if done.returncode != 0 or fetched is None:
             why = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
             raise UpstreamUnavailable(
                 f"pip cannot fetch {distribution}=={version}: {why}. Check the version exists on "
                 f"PyPI (`pip index versions {distribution}`) and that PyPI is reachable"
             )
-    with zipfile.ZipFile(wheel) as archive:
-        if relative not in archive.namelist():
-            raise UpstreamUnavailable(f"{wheel.name} has no {relative}")
-        archive.extract(relative, folder / "files")
-    return target
+        wheel = folder / fetched.name
+        os.replace(fetched, wheel)
+        return wheel
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def source_file(distribution: str, version: str | None, relative: str) -> tuple[Path, str]:

@@ -53,14 +53,14 @@ def shard_batch(
         )
         local["input_ids"], local["position_ids"] = input_ids, position_ids
         return batch.replace(**local)
-    fn = contract.load_function(method)
+    fn, checked_fn, checker = _preprocess_function(method)
     if check:
-        mismatch = contract.check_batch(fn, batch, cp_size, tp_size)
+        mismatch = contract.check_batch(checked_fn, batch, cp_size, tp_size)
         if mismatch is not None:
             raise PreprocessMismatch(
                 f"cp.preprocess={method} differs from the index path on a training micro-batch: "
-                f"{mismatch.describe()}. `python -m recipe.check_preprocess {method}` finds a "
-                "minimal case; cp.check_steps=0 skips this check"
+                f"{mismatch.describe()}. `{checker}` finds a minimal case; cp.check_steps=0 "
+                "skips this check"
             )
     out = contract.call(fn, sequences, batch.cu_seqlens_padded, cp_size, cp_rank, tp_size)
     layout = out.pop(contract.LAYOUT_KEY)
@@ -73,3 +73,24 @@ def shard_batch(
     for name, value in out.items():
         local[name] = value.to(local[name].dtype)
     return batch.replace(**local)
+
+
+def _preprocess_function(method: str):
+    """(the function training calls, the one the start-up check calls, the checker's command).
+    A released function (LIBRARY@VERSION) reads megatron's real parallel state in training, as
+    in its library, and a stand-in when one process plays every rank for the check."""
+    from recipe.upstream.adapters import (
+        checking_preprocess,
+        is_preprocess_spec,
+        training_preprocess,
+    )
+
+    if is_preprocess_spec(method):
+        release = method.partition("/")[0]
+        return (
+            training_preprocess(method),
+            checking_preprocess(method),
+            f"python -m recipe.check_upstream {release}",
+        )
+    fn = contract.load_function(method)
+    return fn, fn, f"python -m recipe.check_preprocess {method}"
