@@ -1,6 +1,6 @@
 """Check the CP preprocessing functions of a released library against the ground truth:
 `python -m recipe.check_upstream LIBRARY[@VERSION] [--function NAME] [--cases N] [--seed S]
-[--fixed KEY=VALUE ...] [--control]`.
+[--fixed KEY=VALUE ...] [--control [function|inverse]]`.
 
 LIBRARY is `verl` or `megatron-bridge`; without a version the installed release is read, with
 one its wheel is fetched with pip (no dependencies) into a cache. Each function runs twice: at
@@ -8,7 +8,10 @@ its default options, then with every option of its signature that changes the la
 (`--fixed` pins one). Micro-batches are drawn as by `recipe.check_preprocess` (cp 2/4/8, tp 1/2);
 on a difference hypothesis shrinks the case and the minimal one is printed with the options, the
 rank, slot, field, expected and got. A function that raises on a valid input is a finding too.
-`--control` runs each function's deliberately broken copy instead, which must be flagged.
+Functions with a gathering inverse (verl's postprocess_*) also round-trip a per-token tensor on
+every case: sharded on every rank and gathered back, it must equal the original.
+`--control` runs each function's deliberately broken copy instead, which must be flagged
+(`--control inverse`: the gathering function's broken copy, the round trip's control).
 Exit 0 = every function passed, 1 = a finding, 2 = cannot run (says what is missing).
 """
 
@@ -50,8 +53,18 @@ def case_finding(loaded: Loaded, lengths, cp_size, tp_size, options: dict) -> Fi
         )
     else:
         if mismatch is None:
-            return None
-        what = mismatch.describe()
+            try:
+                problem = loaded.round_trip_problem(lengths, cp_size, tp_size, options)
+            except Exception as err:  # noqa: BLE001 (as above)
+                problem = (
+                    f"lengths={list(lengths)} cp={cp_size} tp={tp_size}: the round trip through "
+                    f"{loaded.inverse_name} raises {type(err).__name__}: {err}"
+                )
+            if problem is None:
+                return None
+            what = problem
+        else:
+            what = mismatch.describe()
     return Finding(tuple(lengths), cp_size, tp_size, tuple(sorted(options.items())), what)
 
 
@@ -108,7 +121,7 @@ def parse_fixed(pairs: list[str]) -> dict:
 
 
 def run(spec: str, function: str | None, cases: int, seed: int, fixed: dict,
-        control: bool) -> int:  # fmt: skip
+        control: str | None) -> int:  # fmt: skip
     library, version = parse_spec(spec)
     targets = [t for t in LIBRARIES[library].targets if function in (None, t.name)]
     if not targets:
@@ -124,17 +137,28 @@ def run(spec: str, function: str | None, cases: int, seed: int, fixed: dict,
             f"--fixed {', '.join(sorted(unknown))}: not a drawn option of {spec}'s checked "
             f"functions (drawn: {', '.join(sorted(drawn_anywhere)) or 'none'})"
         )
+    if control == "inverse" and not any(loaded.inverse_name for loaded in loaded_targets):
+        raise UpstreamUnavailable(
+            f"--control inverse: none of {spec}'s checked functions has a gathering inverse"
+        )
     found = 0
     for loaded in loaded_targets:
         target = loaded.target
+        if control == "inverse" and not loaded.inverse_name:
+            print(f"{loaded.label}: no gathering function, no inverse to break (skipped)")
+            continue
         if control:
-            loaded = loaded.broken_copy()
+            loaded = loaded.broken_copy(control)
         alias = (
             ""
             if loaded.function_name == target.name.split(".")[-1]
             else (f" (named {loaded.function_name} in this release)")
         )
-        print(f"{loaded.label}{alias}{' [broken copy]' if control else ''}: {target.file}")
+        print(
+            f"{loaded.label}{alias}{f' [broken copy: {control}]' if control else ''}: {target.file}"
+        )
+        if loaded.inverse_name:
+            print(f"  every case also round-trips a per-token tensor through {loaded.inverse_name}")
         for name, why in loaded.skipped.items():
             print(f"  not drawn: {name}: {why}")
         modes = [("default options", False)]
@@ -163,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (0)")
     parser.add_argument("--fixed", action="append", default=[], metavar="KEY=VALUE",
                         help="pin a drawn option, e.g. use_fp8_padding=false")  # fmt: skip
-    parser.add_argument("--control", action="store_true",
-                        help="check each function's broken copy (must FAIL)")  # fmt: skip
+    parser.add_argument("--control", nargs="?", const="function", choices=["function", "inverse"],
+                        help="check a broken copy of each function, or of its gathering inverse "
+                        "(must FAIL)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         return run(args.library, args.function, args.cases, args.seed, parse_fixed(args.fixed),

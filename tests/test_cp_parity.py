@@ -78,3 +78,23 @@ def test_bf16_cp2_matches_cp1_within_bf16_tolerance(shared_runs):
     history = shared_runs.history([*bf16, "cp=2"])
     assert len(history) == len(reference) == STEPS
     assert _relative_gap(reference, history, "lm_loss") < 1e-2
+
+
+# The released function itself (fetched from PyPI at start-up) in training, reading megatron's
+# real CP rank: the last release before PR #6267 must fail as the recipe's verl_legacy does,
+# the releases with the fix must match cp=1.
+@pytest.mark.parametrize("version, correct", [("0.7.1", False), ("0.8.0", True), ("0.9.1", True)])
+def test_released_verl_in_training(shared_runs, version, correct):
+    reference = shared_runs.history(_overrides("learned_absolute"))
+    released = ["cp=2", f"cp.preprocess=verl@{version}", "cp.check_steps=0"]
+    gap = _relative_gap(
+        reference, shared_runs.history(_overrides("learned_absolute", released)), "lm_loss"
+    )
+    if correct:
+        assert gap < RTOL
+    else:
+        legacy = shared_runs.history(
+            _overrides("learned_absolute", ["cp=2", "cp.preprocess=verl_legacy"])
+        )
+        assert gap > 100 * RTOL
+        assert gap == _relative_gap(reference, legacy, "lm_loss")  # the same formula, to the bit

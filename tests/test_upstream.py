@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipe.check_upstream import check_target, main
+from recipe.check_upstream import case_finding, check_target, main
 from recipe.parallel.cp.contract import first_mismatch
 from recipe.upstream.adapters import (
     LIBRARIES,
@@ -138,18 +138,21 @@ def test_every_adapter_flags_its_broken_copy(library, version, target):
 
 
 def test_the_cli_exit_codes(capsys):
-    assert main(["verl@0.7.1", "--function", "preprocess_thd_engine", "--cases", "30"]) == 1
+    no_fp8 = ["--fixed", "use_fp8_padding=false"]  # its own finding, pinned above
+    assert (
+        main(["verl@0.7.1", "--function", "preprocess_thd_engine", "--cases", "10", *no_fp8]) == 1
+    )
     out = capsys.readouterr().out
     assert "(named preprocess_thd_no_padding in this release)" in out
     assert "FAIL default options" in out and "position_ids expected" in out
     fixed = ["--fixed", "min_local_rows=none", "--fixed", "pad_to_length_bucket=none"]
-    assert main(["verl@0.9.1", "--function", "preprocess_thd_engine", "--cases", "25", *fixed]) == 0
+    assert main(["verl@0.9.1", "--function", "preprocess_thd_engine", "--cases", "10", *fixed]) == 0
     out = capsys.readouterr().out
-    assert "PASS default options: 25 cases" in out and "PASS options drawn" in out
+    assert "PASS default options: 10 cases" in out and "PASS options drawn" in out
     assert "not drawn: cp_layout: zigzag only" in out
-    control = ["verl@0.9.1", "--function", "preprocess_thd_engine", "--cases", "25", "--control"]
+    control = ["verl@0.9.1", "--function", "preprocess_thd_engine", "--cases", "10", "--control"]
     assert main([*control, *fixed]) == 1
-    assert "[broken copy]" in capsys.readouterr().out
+    assert "[broken copy: function]" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -189,3 +192,61 @@ def test_training_spellings_of_a_released_function():
                      ("verl@0.9.1/nope", "no checked function")]:  # fmt: skip
         with pytest.raises(UpstreamUnavailable, match=why):
             parse_preprocess_spec(bad)
+
+
+def test_training_refuses_a_release_that_cannot_be_had_at_start_up():
+    from recipe.errors import ConfigError
+    from recipe.training.trainer import check_upstream_preprocess
+
+    check_upstream_preprocess("index")  # not a release: nothing to fetch
+    with pytest.raises(ConfigError, match=r"cp.preprocess=verl@0.0.0: pip cannot fetch"):
+        check_upstream_preprocess("verl@0.0.0")
+
+
+def test_the_start_up_check_stops_a_wrong_release_and_names_the_checker():
+    from recipe.parallel.cp.contract import global_batch
+    from recipe.parallel.cp.shard import PreprocessMismatch, shard_batch
+
+    batch = global_batch([[5, 6, 7], list(range(1, 10))], cp_size=2, tp_size=1)
+    with pytest.raises(PreprocessMismatch) as caught:
+        shard_batch(batch, 2, 1, "verl@0.7.1", check=True)
+    assert "position_ids expected" in str(caught.value)
+    assert "python -m recipe.check_upstream verl@0.7.1" in str(caught.value)
+
+
+def test_in_training_the_function_reads_megatrons_real_rank():
+    """Inside a run the released function reads megatron's parallel state, as in its library;
+    sharding for a rank the state does not hold is refused, not silently mixed."""
+    from recipe.launch.local import lone_world
+    from recipe.parallel.cp.contract import global_batch
+    from recipe.parallel.cp.shard import shard_batch
+    from recipe.upstream.adapters import training_preprocess
+
+    batch = global_batch([[5, 6, 7]], cp_size=2, tp_size=1)
+    sequences = [batch.input_ids[:3]]
+    with lone_world():
+        with pytest.raises(RuntimeError, match=r"parallel state says \(cp size, cp rank, tp size"):
+            training_preprocess("verl@0.9.1")(sequences, batch.cu_seqlens_padded, 2, 1)
+        assert shard_batch(batch, 1, 0, "verl@0.9.1") is batch  # cp=1: no sharding at all
+
+
+@pytest.mark.parametrize("version", VERL_RELEASES)
+@pytest.mark.parametrize("target", [THD, PACKED], ids=lambda t: t.name)
+def test_verl_gathers_back_what_it_sharded(version, target):
+    """postprocess_* on every rank (the all-gather played by a stand-in that hands back every
+    rank's shard) returns each sequence as it was; its broken copy is caught by the round trip."""
+    loaded = _loaded("verl", version, target)
+    assert loaded.inverse_name.startswith("postprocess_")
+    for lengths, cp in [([3, 8], 2), ([9, 16, 24], 2), ([5, 12, 17], 4), ([4803], 2)]:
+        assert loaded.round_trip_problem(lengths, cp, 1, {}) is None, (lengths, cp)
+    broken = loaded.broken_copy("inverse")
+    assert _finding(broken, [16, 8, 8]) == _finding(loaded, [16, 8, 8])  # sharding: the release's
+    assert broken.round_trip_problem([16, 8, 8], 2, 1, {}) == (
+        f"lengths=[16, 8, 8] cp=2 tp=1: rank 0: {loaded.inverse_name} gives sequence 0 back as "
+        "[2, 3, 4, 13, 6, 7] ... (16 values), sharded from [1, 2, 3, 4, 5, 6] ... (16 values)"
+    )
+    with pytest.raises(RuntimeError, match="expanded size"):  # reads past the last sequence
+        broken.round_trip_problem([8, 16], 2, 1, {})
+    if version != "0.7.1":  # where the sharding passes, the checker reports the raise
+        raises = case_finding(broken, (8, 16), 2, 1, {}).what
+        assert f"the round trip through {loaded.inverse_name} raises RuntimeError" in raises

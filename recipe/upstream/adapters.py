@@ -42,6 +42,34 @@ class ParallelStateStandIn:
     def get_tensor_model_parallel_world_size(self) -> int:
         return self.tp_size
 
+    def get_context_parallel_group(self):
+        return None  # the gather is played by _GatherStandIn, which ignores the group
+
+
+class _DistributedStandIn:
+    """torch.distributed as a postprocess function sees it while one process plays every rank:
+    all_gather hands back every rank's shard as that rank's own preprocess call produced it."""
+
+    def __init__(self, shards: list[torch.Tensor]):
+        self._shards = shards
+
+    def all_gather(self, outputs: list, tensor, group=None) -> None:
+        for out, shard in zip(outputs, self._shards, strict=True):
+            out.copy_(shard)
+
+    def __getattr__(self, name: str):
+        return getattr(torch.distributed, name)
+
+
+class _GatherStandIn:
+    """The module's `torch` with its collectives played (see _DistributedStandIn)."""
+
+    def __init__(self, shards: list[torch.Tensor]):
+        self.distributed = _DistributedStandIn(shards)
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
 
 @dataclass(frozen=True)
 class Target:
@@ -52,6 +80,7 @@ class Target:
     functions: tuple[str, ...]  # its name, then older names of the same function
     style: str  # "thd": a nested (jagged) batch of sequences; "bshd": [b, s] with a mask
     stubs: dict = field(default_factory=dict)
+    inverse: tuple[str, ...] = ()  # the function that gathers a sharded output back (names)
 
 
 @dataclass(frozen=True)
@@ -79,6 +108,7 @@ LIBRARIES: dict[str, Library] = {
                 ("preprocess_thd_engine", "preprocess_thd_no_padding"),
                 "thd",
                 _VERL_STUBS,
+                ("postprocess_thd_engine", "postprocess_thd_no_padding"),
             ),
             Target(
                 "preprocess_packed_seqs",
@@ -86,6 +116,7 @@ LIBRARIES: dict[str, Library] = {
                 ("preprocess_packed_seqs",),
                 "bshd",
                 _VERL_STUBS,
+                ("postprocess_packed_seqs",),
             ),
         ),  # fmt: skip
     ),
@@ -150,9 +181,56 @@ class Loaded:
     drawn: dict[str, tuple]
     skipped: dict[str, str]
 
+    inverse_name: str | None = None
+
     @property
     def function(self) -> Callable:
         return getattr(self.module, self.function_name)
+
+    def round_trip_problem(self, lengths, cp_size: int, tp_size: int, options: dict) -> str | None:
+        """Shard a per-token tensor on every rank, gather it back through the library's own
+        postprocess function on every rank: where it differs from the original, or None."""
+        if self.inverse_name is None:
+            return None
+        options = dict(options)
+        side = options.pop("mask_side", "right")
+        dtype = getattr(torch, options.pop("mask_dtype", "bool"))
+        stride = max(lengths) + 1
+        values = [
+            torch.arange(n, dtype=torch.float64) + 1 + stride * i for i, n in enumerate(lengths)
+        ]
+        if self.target.style == "thd":
+            given = _nested(values)
+            extra = {}
+        else:
+            given, mask = _padded_rows(values, side)
+            extra = {"attention_mask": mask.to(dtype)}
+        shards, params = [], None
+        for rank in range(cp_size):
+            self.module.mpu = ParallelStateStandIn(cp_size, rank, tp_size)
+            out = self.function(given, *extra.values(), pre_process=True, **options)
+            shards.append(out[0])
+            params = out[1]
+        inverse = getattr(self.module, self.inverse_name)
+        try:
+            self.module.torch = _GatherStandIn(shards)
+            for rank in range(cp_size):
+                self.module.mpu = ParallelStateStandIn(cp_size, rank, tp_size)
+                if self.target.style == "thd":
+                    back = inverse(shards[rank], params, given, len(lengths)).unbind()
+                else:
+                    rows = inverse(shards[rank], params, extra["attention_mask"], *given.shape)
+                    back = [row[m] for row, m in zip(rows, extra["attention_mask"].bool())]
+                for i, (want, got) in enumerate(zip(values, back)):
+                    if got.shape != want.shape or not torch.equal(got.to(want.dtype), want):
+                        return (
+                            f"lengths={list(lengths)} cp={cp_size} tp={tp_size}: rank {rank}: "
+                            f"{self.inverse_name} gives sequence {i} back as "
+                            f"{_head(got)}, sharded from {_head(want)}"
+                        )
+        finally:
+            self.module.torch = torch
+        return None
 
     @property
     def label(self) -> str:
@@ -177,22 +255,36 @@ class Loaded:
 
         return per_rank
 
-    def broken_copy(self) -> Loaded:
-        """The negative control: the same function with the back chunk's start moved by one."""
-        source = inspect.getsource(self.function)
-        line = "remain_start = seqlen_padded_i - half_seqlen * (cp_rank + 1)"
-        if line not in source:
-            raise UpstreamUnavailable(
-                f"{self.label}: the negative control's line `{line}` is not in this release's "
-                "function; the adapter must learn its new shape"
-            )
-        # The copy is executed in the new module's own namespace, so the stand-in for
-        # parallel_state that contract_function sets on that module is what the copy reads.
+    def broken_copy(self, part: str = "function") -> Loaded:
+        """The negative control: a copy with one deliberate off-by-one. part="function": the
+        sharding function's back chunk starts one row late; part="inverse": the gathering
+        function reads each sequence one row late (the round trip's own control)."""
+        mutations = {
+            "function": "remain_start = seqlen_padded_i - half_seqlen * (cp_rank + 1)",
+            "inverse": "packed_start_idx = cu_padded_cpu[i] // cp_size",
+        }
+        names = {"function": self.function_name, "inverse": self.inverse_name}
+        if names[part] is None:
+            raise UpstreamUnavailable(f"{self.label} has no {part} to break")
+        # The copies are executed in the new module's own namespace, so the stand-ins for
+        # parallel_state and the gather that this module's users set on it are what they read.
         broken = type(self.module)(self.module.__name__ + "_broken")
         vars(broken).update({k: v for k, v in vars(self.module).items() if k != "__name__"})
-        exec(source.replace(line, line + " + 1"), vars(broken))  # noqa: S102 (our own mutation)
+        for which, name in names.items():
+            if name is None:
+                continue
+            source = inspect.getsource(getattr(self.module, name))
+            if which == part:
+                line = mutations[part]
+                if line not in source:
+                    raise UpstreamUnavailable(
+                        f"{self.label}: the negative control's line `{line}` is not in this "
+                        f"release's {name}; the adapter must learn its new shape"
+                    )
+                source = source.replace(line, line + " + 1")
+            exec(source, vars(broken))  # noqa: S102 (the release's own source, or our mutation)
         return Loaded(self.library, self.version, self.target, broken, self.function_name,
-                      self.drawn, self.skipped)  # fmt: skip
+                      self.drawn, self.skipped, self.inverse_name)  # fmt: skip
 
 
 def _check_true_rank(label: str, parallel_state, cp_size: int, cp_rank: int, tp_size: int):
@@ -296,7 +388,29 @@ def load(library: str, version: str | None, target: Target) -> Loaded:
             )
     if target.style == "bshd":
         drawn.update(INPUT_OPTIONS)
-    return Loaded(library, version, target, module, name, drawn, skipped)
+    inverse = next((n for n in target.inverse if callable(getattr(module, n, None))), None)
+    if target.inverse and inverse is None:
+        raise UpstreamUnavailable(
+            f"{library}@{version} has none of {', '.join(target.inverse)} in {target.file}"
+        )
+    return Loaded(library, version, target, module, name, drawn, skipped, inverse)
+
+
+def _head(values: torch.Tensor, shown: int = 6) -> str:
+    listed = [int(v) if float(v).is_integer() else float(v) for v in values.flatten()[:shown]]
+    return f"{listed}{' ...' if values.numel() > shown else ''} ({values.numel()} values)"
+
+
+def _padded_rows(values: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[b, s] rows holding each sequence at the mask's side, and the bool mask."""
+    width = max(v.numel() for v in values) + 2
+    rows = torch.zeros(len(values), width, dtype=values[0].dtype)
+    mask = torch.zeros(len(values), width, dtype=torch.bool)
+    for i, v in enumerate(values):
+        where = slice(0, v.numel()) if side == "right" else slice(width - v.numel(), width)
+        rows[i, where] = v
+        mask[i, where] = True
+    return rows, mask
 
 
 def _nested(tensors: list) -> torch.Tensor:
@@ -331,20 +445,14 @@ def _bshd_fields(function: Callable, sequences, options: dict) -> dict:
     options = dict(options)
     side = options.pop("mask_side", "right")
     dtype = getattr(torch, options.pop("mask_dtype", "bool"))
-    width = max(s.numel() for s in sequences) + 2
-    rows = {
-        k: torch.zeros(len(sequences), width, dtype=torch.int64)
-        for k in ("input_ids", "labels", "loss_mask")
+    sequences = [s.to(torch.int64) for s in sequences]
+    per_token = {
+        "input_ids": sequences,
+        "labels": [torch.cat([s[1:], s.new_zeros(1)]) for s in sequences],
+        "loss_mask": [_label_mask(s.numel()) for s in sequences],
     }
-    mask = torch.zeros(len(sequences), width, dtype=torch.bool)
-    for i, seq in enumerate(sequences):
-        n = seq.numel()
-        where = slice(0, n) if side == "right" else slice(width - n, width)
-        mask[i, where] = True
-        rows["input_ids"][i, where] = seq
-        rows["labels"][i, where] = torch.cat([seq[1:], seq.new_zeros(1)])
-        rows["loss_mask"][i, where] = _label_mask(n)
-    mask = mask.to(dtype)
+    rows = {k: _padded_rows(v, side)[0] for k, v in per_token.items()}
+    mask = _padded_rows(sequences, side)[1].to(dtype)
     sharded = {k: function(v, mask, pre_process=True, **options) for k, v in rows.items()}
     fields = {k: out[0].reshape(-1) for k, out in sharded.items()}
     return {
