@@ -16,6 +16,7 @@ from recipe.check_upstream import case_finding, check_target, main
 from recipe.parallel.cp.contract import first_mismatch
 from recipe.upstream.adapters import (
     LIBRARIES,
+    ParallelStateStandIn,
     is_preprocess_spec,
     load,
     parse_preprocess_spec,
@@ -250,3 +251,88 @@ def test_verl_gathers_back_what_it_sharded(version, target):
     if version != "0.7.1":  # where the sharding passes, the checker reports the raise
         raises = case_finding(broken, (8, 16), 2, 1, {}).what
         assert f"the round trip through {loaded.inverse_name} raises RuntimeError" in raises
+
+
+# Each finding again by a direct call of the released function (not through the checker), with
+# the lines that cause it (file and line in the release's wheel).
+
+
+def _direct(library: str, version: str, target, cp: int, rank: int):
+    """The released function itself, reading cp rank `rank` of `cp` from the stand-in."""
+    loaded = _loaded(library, version, target)
+    loaded.module.mpu = ParallelStateStandIn(cp, rank, 1)
+    return loaded.function
+
+
+def _nested(*sequences):
+    import torch
+
+    return torch.nested.as_nested_tensor([torch.tensor(s) for s in sequences], layout=torch.jagged)
+
+
+def test_direct_verl_071_back_chunk_positions():
+    """verl 0.7.1 util.py:397-399 builds the back chunk's positions as
+    arange(seqlen_padded_i - remain_len, seqlen_padded_i) (the padded end, not remain_start at
+    :387). One 3-token sequence, cp=2: padded to 4, rank 1 holds positions 1 (front) and 2
+    (back), token 13 is at position 2; 0.7.1 says 3. 0.8.0 (util.py:441) starts at remain_start."""
+    tokens, _, positions = _direct("verl", "0.7.1", THD, 2, 1)(_nested([11, 12, 13]))
+    assert tokens.tolist() == [[12, 13]] and positions.tolist() == [[1, 3]]
+    tokens, _, positions = _direct("verl", "0.8.0", THD, 2, 1)(_nested([11, 12, 13]))
+    assert tokens.tolist() == [[12, 13]] and positions.tolist() == [[1, 2]]
+
+
+@pytest.mark.parametrize("version", ["0.7.1", "0.8.0"])
+def test_direct_verl_fp8_padding_raises(version):
+    """use_fp8_padding pads each sequence to lcm(16, 2*cp*tp) = 16 and the last one on to a
+    multiple of 2*cp*tp*128 = 512 (0.8.0 util.py:363), but pads the sequence's own tokens only to
+    align_size = 16 (util.py:409): rank 0's front slice of 128 rows reads 16. 0.9.1 pads the
+    tokens to the sequence's padded length (util.py:480)."""
+    with pytest.raises(RuntimeError, match=r"expanded size of the tensor \(128\) must match the "):
+        _direct("verl", version, THD, 2, 0)(_nested([7]), use_fp8_padding=True)
+    tokens, params, _ = _direct("verl", "0.9.1", THD, 2, 0)(_nested([7]), use_fp8_padding=True)
+    assert params.cu_seqlens_q_padded.tolist() == [0, 512] and tokens[0, 0] == 7
+
+
+@pytest.mark.parametrize("option", [{"min_local_rows": 3}, {"pad_to_length_bucket": 6}])
+def test_direct_verl_091_pads_to_a_length_zigzag_cannot_split(option):
+    """min_local_rows pads the last sequence to cp * min_local_rows (util.py:397-400),
+    pad_to_length_bucket to lcm(bucket, cp) (util.py:406): neither keeps it a multiple of
+    2*cp, so its 4 zigzag chunks are 1.5 rows and rows 2-3 (padding) are on no rank."""
+    _, params, _ = _direct("verl", "0.9.1", THD, 2, 0)(_nested([7]), **option)
+    assert params.cu_seqlens_q_padded.tolist() == [0, 6]
+
+
+@pytest.mark.parametrize(
+    "library, version, target, line",
+    [("verl", "0.7.1", PACKED, "util.py:104-106"),
+     ("megatron-bridge", BRIDGE, QWEN3_VL, "modelling_qwen3_vl/utils.py:769-772"),
+     ("megatron-bridge", BRIDGE, EXAONE45, "modelling_exaone45/utils.py:635-638")],
+    ids=["verl-0.7.1", "bridge-qwen3_vl", "bridge-exaone45"],
+)  # fmt: skip
+def test_direct_unclamped_front_slice_raises(library, version, target, line):
+    """`d[half_seqlen * cp_rank : half_seqlen * (cp_rank + 1)]` is not clamped to the sequence
+    (the line named): a one-token sequence at cp=2 has half_seqlen 1, and rank 1's slice d[1:2]
+    is empty. verl 0.8.0 clamps it (util.py:107, first_end)."""
+    import torch
+
+    rows, mask = torch.tensor([[7, 0, 0]]), torch.tensor([[True, False, False]])
+    with pytest.raises(RuntimeError, match=r"expanded size of the tensor \(1\) .* size \(0\)"):
+        _direct(library, version, target, 2, 1)(rows, mask, pre_process=True)
+    tokens, _ = _direct("verl", "0.8.0", PACKED, 2, 1)(rows, mask, pre_process=True)
+    assert tokens.tolist() == [[0, 0]]  # rank 1 holds padding only
+
+
+def test_direct_verl_packed_seqs_indexes_with_an_integer_mask():
+    """`input_ids[i, attention_mask[i]]` (0.9.1 util.py:123) selects with a bool mask but
+    gathers rows 1,1,1,0,0 with an int64 one; Bridge's qwen3_vl copy casts to bool first
+    (utils.py:719-720)."""
+    import torch
+
+    rows = torch.tensor([[11, 12, 13, 0, 0]])
+    int_mask = torch.tensor([[1, 1, 1, 0, 0]])
+    tokens, _ = _direct("verl", "0.9.1", PACKED, 2, 0)(rows, int_mask, pre_process=True)
+    assert tokens.tolist() == [[12, 11]]  # rank 0 holds rows 0 and 3 of [12, 12, 12, 11, 11]
+    tokens, _ = _direct("verl", "0.9.1", PACKED, 2, 0)(rows, int_mask.bool(), pre_process=True)
+    assert tokens.tolist() == [[11, 0]]  # position 0 and padding
+    tokens, _ = _direct("megatron-bridge", BRIDGE, QWEN3_VL, 2, 0)(rows, int_mask, pre_process=True)
+    assert tokens.tolist() == [[11, 0]]
