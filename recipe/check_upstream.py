@@ -1,6 +1,6 @@
 """Check the CP preprocessing functions of a released library against the ground truth:
 `python -m recipe.check_upstream LIBRARY[@VERSION] [--function NAME] [--cases N] [--seed S]
-[--fixed KEY=VALUE ...] [--control [function|inverse]]`.
+[--fixed KEY=VALUE ...] [--min-length N] [--control [function|inverse]]`.
 
 LIBRARY is `verl` or `megatron-bridge`; without a version the installed release is read, with
 one its wheel is fetched with pip (no dependencies) into a cache. Each function runs twice: at
@@ -78,7 +78,8 @@ def options_strategy(loaded: Loaded, fixed: dict):
     return st.fixed_dictionaries(drawn)
 
 
-def check_target(loaded: Loaded, cases: int, seed: int, fixed: dict, drawn: bool):
+def check_target(loaded: Loaded, cases: int, seed: int, fixed: dict, drawn: bool,
+                 min_length: int = 1):  # fmt: skip
     """(finding or None, cases run) at the defaults (drawn=False) or with options drawn."""
     from hypothesis import strategies as st
 
@@ -86,7 +87,7 @@ def check_target(loaded: Loaded, cases: int, seed: int, fixed: dict, drawn: bool
         options = options_strategy(loaded, fixed)
     else:
         options = st.just({k: v for k, v in fixed.items() if k in loaded.drawn})
-    strategy = st.tuples(micro_batches(), options)
+    strategy = st.tuples(micro_batches(min_length=min_length), options)
 
     def one(case):
         (lengths, cp_size, tp_size), chosen = case
@@ -121,7 +122,7 @@ def parse_fixed(pairs: list[str]) -> dict:
 
 
 def run(spec: str, function: str | None, cases: int, seed: int, fixed: dict,
-        control: str | None) -> int:  # fmt: skip
+        control: str | None, min_length: int = 1) -> int:  # fmt: skip
     library, version = parse_spec(spec)
     targets = [t for t in LIBRARIES[library].targets if function in (None, t.name)]
     if not targets:
@@ -166,7 +167,7 @@ def run(spec: str, function: str | None, cases: int, seed: int, fixed: dict,
             modes.append((f"options drawn ({', '.join(loaded.drawn)})", True))
         for title, drawn in modes:
             start = time.perf_counter()
-            finding, ran = check_target(loaded, cases, seed, fixed, drawn)
+            finding, ran = check_target(loaded, cases, seed, fixed, drawn, min_length)
             took = time.perf_counter() - start
             if finding is None:
                 print(f"  PASS {title}: {ran} cases on every rank, {took:.1f} s")
@@ -187,13 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (0)")
     parser.add_argument("--fixed", action="append", default=[], metavar="KEY=VALUE",
                         help="pin a drawn option, e.g. use_fp8_padding=false")  # fmt: skip
+    parser.add_argument("--min-length", type=int, default=1, metavar="N",
+                        help="draw sequences of at least N tokens (1): look past a finding on "
+                        "short sequences")  # fmt: skip
     parser.add_argument("--control", nargs="?", const="function", choices=["function", "inverse"],
                         help="check a broken copy of each function, or of its gathering inverse "
                         "(must FAIL)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         return run(args.library, args.function, args.cases, args.seed, parse_fixed(args.fixed),
-                   args.control)  # fmt: skip
+                   args.control, args.min_length)  # fmt: skip
     except UpstreamUnavailable as err:
         print(f"check_upstream: {args.library}: {err}", file=sys.stderr)
         return 2

@@ -99,6 +99,17 @@ def barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
+def gather_to_all(obj, group=None) -> list:
+    """Every rank's `obj` (any picklable value) on every rank of `group` (the whole world by
+    default), in rank order. For rare, small transfers (a verdict per rank), so that all ranks
+    take the same decision next."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
 def gather_to_main(obj, group=None) -> list | None:
     """Every rank's `obj` (any picklable value) on rank 0 of `group`, in rank order; None on the
     other ranks. For rare, small transfers (per-token records), not for the training path."""
