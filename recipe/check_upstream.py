@@ -2,9 +2,11 @@
 `python -m recipe.check_upstream LIBRARY[@VERSION] [--function NAME] [--cases N] [--seed S]
 [--fixed KEY=VALUE ...] [--min-length N] [--control [function|inverse]]`.
 
-LIBRARY is `verl` or `megatron-bridge`; without a version the installed release is read, with
-one its wheel is fetched with pip (no dependencies) into a cache. Each function runs twice: at
-its default options, then with every option of its signature that changes the layout drawn
+LIBRARY is `verl`, `megatron-bridge` or `megatron-core`; without a version the installed release
+is read, with one its wheel is fetched with pip (no dependencies) into a cache. megatron-core's
+MTP `roll_tensor` exchanges tokens between CP ranks, so it runs on real gloo ranks (cp 2 and 4)
+with the installed release, once per way real callers fill `cu_seqlens_q`. Each function runs
+twice: at its default options, then with every option of its signature that changes the layout drawn
 (`--fixed` pins one). Micro-batches are drawn as by `recipe.check_preprocess` (cp 2/4/8, tp 1/2);
 on a difference hypothesis shrinks the case and the minimal one is printed with the options, the
 rank, slot, field, expected and got. A function that raises on a valid input is a finding too.
@@ -23,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 from recipe.check_preprocess import micro_batches, search
+from recipe.log import quiet_libraries
 from recipe.parallel.cp.contract import ContractError, first_mismatch
 from recipe.upstream.adapters import LIBRARIES, Loaded, load, parse_spec
 from recipe.upstream.source import UpstreamUnavailable
@@ -121,8 +124,74 @@ def parse_fixed(pairs: list[str]) -> dict:
     return fixed
 
 
+MEGATRON_CORE = "megatron-core"
+# How real callers fill PackedSeqParams for megatron's MTP roll (recipe/upstream/mtp_roll.py).
+ROLL_CALLERS = {
+    "padded": "cu_seqlens_q = the padded offsets (as verl passes them)",
+    "unpadded": "cu_seqlens_q = the real offsets, cu_seqlens_q_padded = the padded ones (as "
+    "Megatron-Bridge's packed SFT passes them)",
+}
+
+
+def run_megatron_core(version: str | None, function: str | None, cases: int, seed: int,
+                      fixed: dict, control: str | None, min_length: int) -> int:  # fmt: skip
+    """megatron-core's MTP roll_tensor on real gloo ranks (cp 2 and 4), once per way real
+    callers fill cu_seqlens_q. It runs the installed release: its ranks import megatron."""
+    from recipe.launch.local import RanksFailed
+    from recipe.upstream import mtp_roll
+    from recipe.upstream.source import installed_version
+
+    installed = installed_version(MEGATRON_CORE)
+    if version not in (None, installed):
+        raise UpstreamUnavailable(
+            f"megatron-core's roll_tensor runs on real ranks with the installed release "
+            f"({installed}); to check {version}, install it (`pip install megatron-core=="
+            f"{version}`, or make setup STACK=legacy for 0.16.1) and run without @VERSION"
+        )
+    if function not in (None, "roll_tensor"):
+        raise UpstreamUnavailable(
+            f"megatron-core has no checked function {function!r}; checked: roll_tensor"
+        )
+    if control == "inverse" or min_length != 1 or set(fixed) - {"cu_seqlens_q"}:
+        raise UpstreamUnavailable(
+            "megatron-core's roll_tensor takes only --cases, --seed, --control and --fixed "
+            "cu_seqlens_q=padded|unpadded"
+        )
+    kinds = [fixed["cu_seqlens_q"]] if "cu_seqlens_q" in fixed else list(ROLL_CALLERS)
+    if set(kinds) - set(ROLL_CALLERS):
+        raise UpstreamUnavailable(f"--fixed cu_seqlens_q: one of {', '.join(ROLL_CALLERS)}")
+    broken = " [broken copy: function]" if control else ""
+    print(f"megatron-core@{installed} roll_tensor (MTP, THD + CP){broken}: "
+          "megatron/core/transformer/multi_token_prediction.py")  # fmt: skip
+    print("  on real gloo ranks, cp 2 and 4: labels and loss mask rolled on every rank, against "
+          "the rolled ground truth")  # fmt: skip
+    found = 0
+    for kind in kinds:
+        start = time.perf_counter()
+        try:
+            finding, ran = mtp_roll.check_roll(cases=cases, seed=seed, broken=bool(control),
+                                               cu_kind=kind)  # fmt: skip
+        except mtp_roll.PointToPointTimeout as err:  # the ranks did not fail alike: a finding
+            finding, ran = err, cases
+        except RanksFailed as err:
+            raise UpstreamUnavailable(f"the checker's ranks failed: {err}") from None
+        took = time.perf_counter() - start
+        if finding is None:
+            print(f"  PASS {ROLL_CALLERS[kind]}: {ran} cases (cp 2 and 4), {took:.1f} s")
+            continue
+        found += 1
+        what = finding.describe() if hasattr(finding, "describe") else str(finding)
+        print(f"  FAIL {ROLL_CALLERS[kind]} (minimal case, {took:.1f} s):")
+        print(f"    {what}")
+    return 1 if found else 0
+
+
 def run(spec: str, function: str | None, cases: int, seed: int, fixed: dict,
         control: str | None, min_length: int = 1) -> int:  # fmt: skip
+    library, _, version = spec.partition("@")
+    if library == MEGATRON_CORE:
+        return run_megatron_core(version or None, function, cases, seed, fixed, control,
+                                 min_length)  # fmt: skip
     library, version = parse_spec(spec)
     targets = [t for t in LIBRARIES[library].targets if function in (None, t.name)]
     if not targets:
@@ -182,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m recipe.check_upstream", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("library", help="verl or megatron-bridge, optionally @VERSION")
+    parser.add_argument(
+        "library", help="verl, megatron-bridge or megatron-core, optionally @VERSION"
+    )
     parser.add_argument("--function", help="check only this function (as the report names it)")
     parser.add_argument("--cases", type=int, default=200, help="micro-batches per mode (200)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (0)")
@@ -195,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="check a broken copy of each function, or of its gathering inverse "
                         "(must FAIL)")  # fmt: skip
     args = parser.parse_args(argv)
+    quiet_libraries()
     try:
         return run(args.library, args.function, args.cases, args.seed, parse_fixed(args.fixed),
                    args.control, args.min_length)  # fmt: skip

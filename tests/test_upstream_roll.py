@@ -191,3 +191,35 @@ def test_negative_control_names_a_missing_line(monkeypatch):
             mtp_roll.broken_module()
     finally:
         mtp_roll.broken_module.cache_clear()
+
+
+@pytest.mark.distributed
+@pytest.mark.launches
+@pytest.mark.stack_dependent
+def test_the_cli_checks_the_installed_megatron_core(capsys):
+    from recipe.check_upstream import main
+
+    assert main(["megatron-core", "--cases", "4", "--fixed", "cu_seqlens_q=unpadded"]) == 1
+    out = capsys.readouterr().out
+    assert f"megatron-core@{megatron_version()} roll_tensor" in out
+    assert "FAIL cu_seqlens_q = the real offsets" in out and "lengths=[" in out
+    assert main(["megatron-core", "--cases", "4", "--fixed", "cu_seqlens_q=padded"]) == 0
+    assert "PASS cu_seqlens_q = the padded offsets (as verl passes them): 8 cases" in (
+        capsys.readouterr().out
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["megatron-core@0.0.1"], "runs on real ranks with the installed release"),
+        (["megatron-core", "--function", "x"], "no checked function 'x'"),
+        (["megatron-core", "--control", "inverse"], "takes only --cases"),
+        (["megatron-core", "--fixed", "cu_seqlens_q=other"], "one of padded, unpadded"),
+    ],
+)
+def test_the_cli_refuses_what_megatron_core_cannot_check(argv, message, capsys):
+    from recipe.check_upstream import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -477,10 +477,19 @@ def _launch(cp_size: int, args: tuple):
         monitor_interval=0.1,
         start_method=_start_method(),
     )
+    # The ranks import megatron-core, which warns about the GPU packages a CPU check does not
+    # need; those warnings are all a rank would print, so they stay in the ranks.
+    saved = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = "ignore::UserWarning"
     try:
         return elastic_launch(config, entrypoint=_launched_rank)(*args)[0]
     except ChildFailedError as err:
         raise RanksFailed(_describe_failures(err.failures)) from None
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = saved
 
 
 def check_roll(
