@@ -336,3 +336,32 @@ def test_direct_verl_packed_seqs_indexes_with_an_integer_mask():
     assert tokens.tolist() == [[11, 0]]  # position 0 and padding
     tokens, _ = _direct("megatron-bridge", BRIDGE, QWEN3_VL, 2, 0)(rows, int_mask, pre_process=True)
     assert tokens.tolist() == [[11, 0]]
+
+
+@pytest.mark.parametrize(
+    "library, version, target, fixed, drawn, minimal",
+    [
+        ("verl", "0.7.1", THD, {}, False,
+         "options: defaults; lengths=[3] cp=2 tp=1: rank 1, local slot 1 (sequence 0, position 2, "
+         "chunk 2 = back): position_ids expected 2, got 3"),
+        ("verl", "0.9.1", THD, {"use_fp8_padding": False}, True,
+         "options: pad_to_length_bucket=3, use_fp8_padding=False; lengths=[1] cp=2 tp=1: rank 0: "
+         "sequence 0's padded length 6 is not a multiple of 2*cp=4"),
+        ("verl", "0.8.0", PACKED, {"use_fp8_padding": False, "mask_side": "right"}, True,
+         "options: mask_dtype=int64, mask_side=right, use_fp8_padding=False; lengths=[1] cp=2 "
+         "tp=1: rank 0, local slot 0 (sequence 0, position 0, chunk 0 = front): input_ids "
+         "expected 1, got 0"),
+        ("megatron-bridge", BRIDGE, QWEN3_VL, {}, False,
+         "options: defaults; lengths=[1] cp=2 tp=1: raises RuntimeError: The expanded size of "
+         "the tensor (1) must match the existing size (0)"),
+    ],
+    ids=["verl-0.7.1-positions", "verl-0.9.1-length-bucket", "verl-0.8.0-int-mask",
+         "bridge-short-sequence"],
+)  # fmt: skip
+def test_the_checker_shrinks_each_finding_to_its_minimal_case(
+    library, version, target, fixed, drawn, minimal
+):
+    """What docs/upstream.md reports, as the checker finds it (seed 0, a bounded case count)."""
+    finding, ran = check_target(_loaded(library, version, target), 60, 0, fixed, drawn)
+    assert finding is not None, f"no finding in {ran} cases"
+    assert finding.describe().startswith(minimal)
