@@ -17,7 +17,7 @@ endif
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint bench clean
+.PHONY: setup train test test-fast lint docs bench clean
 
 setup: $(STAMP)
 
@@ -46,9 +46,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/hadolint Dockerfile
+	$(BIN)/python -m recipe.config_reference --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $$(mktemp -d)
+
+# The docs site (mkdocs, material theme) into site/; --strict: a broken link or a page missing
+# from the navigation fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/preprocess.py
 
 clean:
-	rm -rf .venv .venv-legacy outputs multirun .pytest_cache .hypothesis
+	rm -rf .venv .venv-legacy outputs multirun .pytest_cache .hypothesis site

@@ -47,6 +47,7 @@ class ModelConfig:
     """A megatron-core GPT. Vocabulary size comes from the tokenizer."""
 
     name: str = "tiny"
+    """The preset's name (set by the model= group option; informational)."""
     num_layers: int = 2
     """Transformer layers."""
     hidden_size: int = 64
@@ -128,7 +129,9 @@ class MarkovConfig:
     max_doc_len: int = 2000
     """Documents still running at this length are cut (no end-of-text token then)."""
     num_train_docs: int = 4000
+    """Documents generated for training."""
     num_eval_docs: int = 200
+    """Documents generated for the held-out eval set."""
 
     def __post_init__(self) -> None:
         _require(
@@ -154,7 +157,9 @@ class ShapesConfig:
     """data=shapes: generated image-caption pairs (recipe/data/shapes.py)."""
 
     num_train: int = 4000
+    """Image-caption pairs generated for training."""
     num_eval: int = 200
+    """Image-caption pairs generated for the held-out eval set."""
     image_size: int = 32
     """Side of the square RGB images, in pixels."""
     shuffle_images: bool = False
@@ -356,7 +361,9 @@ class VisionConfig:
     hidden_size: int = 32
     """ViT width."""
     num_attention_heads: int = 2
+    """ViT attention heads; divide hidden_size."""
     ffn_hidden_size: int = 64
+    """ViT MLP inner width."""
     mrope_section: list[int] = field(default_factory=lambda: [4, 6, 6])
     """Rotary channel pairs given to the (t, row, col) axes; sums to half the language model's
     head dimension (Qwen2-VL's mrope_section)."""
@@ -395,13 +402,19 @@ class OptimConfig:
     """AdamW with linear warmup and cosine decay."""
 
     lr: float = 6e-3
+    """Peak learning rate (reached after warmup_steps)."""
     min_lr: float = 3e-4
     """Learning rate at the end of the cosine decay."""
     weight_decay: float = 0.01
+    """AdamW weight decay (not applied to norms and biases)."""
     beta1: float = 0.9
+    """AdamW first-moment decay."""
     beta2: float = 0.95
+    """AdamW second-moment decay."""
     eps: float = 1e-8
+    """AdamW denominator epsilon."""
     warmup_steps: int = 20
+    """Steps of linear warmup from 0 to lr, then cosine decay to min_lr."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
 
@@ -453,6 +466,7 @@ class TrainerConfig:
     """The training loop."""
 
     max_steps: int = 500
+    """Optimizer steps to train."""
     seed: int = 0
     """Seeds the model weights."""
     eval_every: int = 100
@@ -460,6 +474,7 @@ class TrainerConfig:
     log_every: int = 1
     """Console refresh interval in steps (metrics.jsonl gets every step)."""
     progress_bar: bool = True
+    """Show a progress bar on the console (rank 0)."""
     precision: str = "auto"
     """auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 (autocast, fp32 weights and optimizer)."""
     deterministic: bool = True
@@ -527,8 +542,11 @@ class WandbConfig:
     mode: str = "offline"
     """disabled | offline (files in the run directory) | online."""
     project: str = "cp-recipe"
+    """wandb project."""
     group: str | None = None
+    """wandb group (a sweep sets its own when none is given)."""
     tags: list[str] = field(default_factory=list)
+    """wandb tags."""
 
     def __post_init__(self) -> None:
         _one_of("logger.wandb.mode", self.mode, WANDB_MODES)
