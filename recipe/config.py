@@ -13,6 +13,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recipe.errors import ConfigError
+from recipe.names import (
+    ATTENTION_BACKENDS,
+    CP_COMM_TYPES,
+    CP_PREPROCESS,
+    DATA_SOURCES,
+    FP32_RTOL,
+    MTP_SCALINGS,
+    PASS_POSITION_IDS,
+    POSITION_EMBEDDINGS,
+    PRECISIONS,
+    VISION_POSITIONS,
+    WANDB_MODES,
+)
 from recipe.parallel.layout import ParallelDims
 
 __all__ = ["ConfigError", "TrainConfig", "register_configs"]
@@ -29,17 +42,6 @@ def _positive(name: str, value: int | float) -> None:
 
 def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
     _require(value in choices, f"{name}={value!r} is not valid; choose one of {', '.join(choices)}")
-
-
-POSITION_EMBEDDINGS = ("rope", "learned_absolute")
-ATTENTION_BACKENDS = ("auto", "torch", "te")
-DATA_SOURCES = ("markov", "pydoc", "files", "shapes")
-WANDB_MODES = ("disabled", "offline", "online")
-CP_PREPROCESS = ("index", "verl_fixed", "verl_legacy")
-PRECISIONS = ("auto", "fp32", "bf16")
-CP_COMM_TYPES = ("p2p", "a2a", "all_gather")
-PASS_POSITION_IDS = ("auto", "mtp_only", "not_vision", "always", "never")
-VISION_POSITIONS = ("full_stream", "rank_local", "stock_sharded", "text_1d")
 
 
 @dataclass
@@ -277,13 +279,12 @@ class CPConfig:
                 parse_preprocess_spec(self.preprocess)
             except UpstreamUnavailable as err:
                 raise ConfigError(f"cp.preprocess={self.preprocess}: {err}") from None
-        elif ":" in self.preprocess:
-            from recipe.parallel.cp.contract import load_function
-
-            try:
-                load_function(self.preprocess)
-            except ValueError as err:
-                raise ConfigError(f"cp.preprocess={self.preprocess}: {err}") from None
+        elif ":" in self.preprocess:  # your function: imported by the start-up check, not here
+            module, _, function = self.preprocess.partition(":")
+            _require(
+                bool(module) and bool(function) and ":" not in function,
+                f"cp.preprocess={self.preprocess}: write package.module:function",
+            )
         else:
             _one_of("cp.preprocess", self.preprocess, CP_PREPROCESS)
         _one_of("cp.comm_type", self.comm_type, CP_COMM_TYPES)
@@ -338,7 +339,7 @@ class MTPConfig:
 
     def __post_init__(self) -> None:
         _positive("mtp.num_layers", self.num_layers)
-        _one_of("mtp.scaling", self.scaling, ("exact", "upstream"))
+        _one_of("mtp.scaling", self.scaling, MTP_SCALINGS)
         _require(
             self.loss_scaling_factor >= 0,
             f"mtp.loss_scaling_factor must be >= 0, got {self.loss_scaling_factor}",
@@ -561,7 +562,7 @@ class LoggerConfig:
 class CompareConfig:
     """How sweeps are judged (the parity report written at the end of `-m` runs)."""
 
-    rtol: float = 1e-5
+    rtol: float = FP32_RTOL
     """Largest relative difference per step allowed against the baseline. 1e-5 suits fp32 on
     CPU; for bf16 on GPU use about 0.05 (Megatron-LM's functional-test tolerance) and read the
     correlation column."""

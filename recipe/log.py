@@ -26,7 +26,7 @@ class RankZeroLogger(logging.LoggerAdapter):
 
 
 def _rank() -> int:
-    from recipe.launch.environment import read_environment
+    from recipe.environment import read_environment
 
     return read_environment(os.environ).rank
 

@@ -98,11 +98,20 @@ def test_a_training_run_uses_a_user_function_and_checks_it_first():
     assert not torch.equal(shifted, built_in[1].micro_batches[0].position_ids), "used as given"
 
 
-def test_a_bad_user_function_is_a_config_error():
+def test_a_bad_user_function_is_a_start_up_error():
+    """The config checks the spelling only (validation imports nothing of the user's); the
+    start-up check imports the module and checks the function's signature."""
     from recipe.errors import ConfigError
+    from recipe.training.trainer import check_preprocess_function
 
+    assert typed_config(["cp.preprocess=nowhere:fn"]).cp.preprocess == "nowhere:fn"
     with pytest.raises(ConfigError, match="cp.preprocess=nowhere:fn: cannot import nowhere"):
-        typed_config(["cp.preprocess=nowhere:fn"])
+        check_preprocess_function("nowhere:fn")
+    with pytest.raises(ConfigError, match=r"cp.preprocess=os:getcwd: takes \(\), which cannot"):
+        check_preprocess_function("os:getcwd")
+    with pytest.raises(ConfigError, match="write package.module:function"):
+        typed_config(["cp.preprocess=:fn"])
+    check_preprocess_function(f"{FAULTY}:off_by_one_back_positions")  # the contract's shape
 
 
 @pytest.mark.distributed

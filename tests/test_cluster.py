@@ -16,7 +16,7 @@ import pytest
 from recipe.compare.diff import compare
 from recipe.compare.runs import load_run
 from recipe.config import ConfigError
-from recipe.launch.environment import (
+from recipe.environment import (
     first_host,
     gpu_index,
     launched_world_problem,

@@ -227,7 +227,7 @@ def test_stale_rank_variables_are_named_not_waited_on_in_silence(tmp_path):
 
 def test_a_launched_world_of_the_wrong_size_names_the_variables(monkeypatch):
     from recipe.config import ConfigError
-    from recipe.launch.environment import read_environment
+    from recipe.environment import read_environment
     from recipe.parallel import groups
     from recipe.parallel.layout import ParallelDims
 

@@ -102,7 +102,7 @@ def test_cli_data_files_trains_on_a_local_jsonl(tmp_path):
 
 
 def test_launcher_environment_is_used_when_present(monkeypatch):
-    from recipe.launch.environment import adopt_environment
+    from recipe.environment import adopt_environment
 
     assert not adopt_environment().external
     monkeypatch.setenv("SLURM_PROCID", "3")

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from recipe.environment import adopt_environment, port_for_job, read_environment
 from recipe.errors import ConfigError
-from recipe.launch.environment import adopt_environment, port_for_job, read_environment
 from recipe.parallel.layout import ParallelDims
 
 dims_st = st.builds(

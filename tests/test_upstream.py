@@ -197,11 +197,11 @@ def test_training_spellings_of_a_released_function():
 
 def test_training_refuses_a_release_that_cannot_be_had_at_start_up():
     from recipe.errors import ConfigError
-    from recipe.training.trainer import check_upstream_preprocess
+    from recipe.training.trainer import check_preprocess_function
 
-    check_upstream_preprocess("index")  # not a release: nothing to fetch
+    check_preprocess_function("index")  # not a release: nothing to fetch
     with pytest.raises(ConfigError, match=r"cp.preprocess=verl@0.0.0: pip cannot fetch"):
-        check_upstream_preprocess("verl@0.0.0")
+        check_preprocess_function("verl@0.0.0")
 
 
 def test_the_start_up_check_stops_a_wrong_release_and_names_the_checker():

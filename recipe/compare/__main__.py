@@ -22,6 +22,7 @@ from recipe.compare.plot import plot_comparisons
 from recipe.compare.report import render_markdown
 from recipe.compare.runs import find_runs, load_run
 from recipe.compare.tokens import compare_records, compare_token_records, render_token_report
+from recipe.names import FP32_RTOL, FP32_TOKEN_ATOL
 from recipe.training.tokens import read_token_records
 
 
@@ -41,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rtol",
         type=float,
-        default=1e-5,
-        help="largest relative difference per step (default 1e-5, fp32 on CPU; "
+        default=FP32_RTOL,
+        help=f"largest relative difference per step (default {FP32_RTOL:g}, fp32 on CPU; "
         "about 0.05 for bf16 on GPU)",
     )
     parser.add_argument("--plot", help="write loss curves and differences to this PNG file")
@@ -55,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--token-atol",
         type=float,
-        default=1e-5,
-        help="largest absolute per-token loss difference (default 1e-5, fp32 on CPU)",
+        default=FP32_TOKEN_ATOL,
+        help=f"largest absolute per-token loss difference (default {FP32_TOKEN_ATOL:g}, fp32 "
+        "on CPU)",
     )
     args = parser.parse_args(argv)
     golden_tokens = None

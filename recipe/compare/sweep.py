@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from recipe.compare.report import PLOT_FILE, REPORT_FILE, write_report
 from recipe.compare.runs import find_runs
 from recipe.config import CompareConfig, ConfigError
-from recipe.launch.environment import read_environment
+from recipe.environment import read_environment
 from recipe.training.loggers import METRICS_FILE
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from recipe.names import FP32_TOKEN_ATOL
 from recipe.training.tokens import TOKENS_DIR, loss_columns, read_token_records
 
-TOKEN_ATOL = 1e-5
+TOKEN_ATOL = FP32_TOKEN_ATOL
 """Largest absolute per-token loss difference that passes (fp32 on CPU)."""
 
 

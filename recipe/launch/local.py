@@ -13,6 +13,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from recipe.config import ConfigError, TrainConfig
+from recipe.environment import cuda_available
 from recipe.errors import RecipeError
 from recipe.log import quiet_libraries
 
@@ -42,7 +43,7 @@ def max_local_ranks() -> int:
     share cores; beyond this the job would crawl, which usually means a typo in cp or dp)."""
     import torch
 
-    if torch.cuda.is_available():
+    if cuda_available():
         return torch.cuda.device_count()
     return max(8, 4 * (os.cpu_count() or 1))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from recipe.launch.environment import read_environment
+from recipe.environment import read_environment
 
 NUMERIC_GROUPS = ("cp",)
 _NUMBER_LIST = re.compile(r"^\d+(,\d+)*$")

@@ -13,8 +13,8 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from recipe.config import ConfigError, TrainConfig
+from recipe.environment import ProcessEnvironment, adopt_environment, launched_world_problem
 from recipe.errors import RecipeError
-from recipe.launch.environment import ProcessEnvironment, adopt_environment, launched_world_problem
 from recipe.launch.local import RanksStopped, check_launchable, launch_world
 from recipe.launch.rundir import claim_run_directory
 from recipe.log import get_logger, quiet_libraries

@@ -71,8 +71,6 @@ def take_mtp_loss_means(num_layers: int) -> torch.Tensor:
     return means
 
 
-MTP_SCALINGS = ("exact", "upstream")
-
 _pending_layer_scales: list[torch.Tensor] = []
 """Per MTP layer of the coming forward, the backward scale its autoscaler takes (exact mode)."""
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from recipe.environment import cuda_available
+
 _PATCHED = False
 
 
@@ -26,7 +28,7 @@ def apply_cpu_compat() -> bool:
     Returns True when the patch is active.
     """
     global _PATCHED
-    if torch.cuda.is_available():
+    if cuda_available():
         return False
     if not _PATCHED:
         torch.cuda.current_device = _cpu_device
@@ -55,4 +57,4 @@ def seed_model_parallel_rng(seed: int) -> None:
     """
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not cuda_available())

@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from recipe.data.packing import PackedBatch
+from recipe.environment import cuda_available
 from recipe.model.compat import silence_known_warnings
 
 
 def resolve_attention_backend(name: str) -> str:
     """`auto` means Transformer Engine when CUDA and TE are present, else the recipe's own."""
     if name == "auto":
-        if torch.cuda.is_available():
+        if cuda_available():
             try:
                 import transformer_engine  # noqa: F401
 
@@ -26,7 +27,7 @@ def resolve_attention_backend(name: str) -> str:
             except ImportError:
                 return "torch"
         return "torch"
-    if name == "te" and not torch.cuda.is_available():
+    if name == "te" and not cuda_available():
         raise ValueError(
             "model.attention_backend=te needs CUDA and transformer-engine; on CPU use "
             "model.attention_backend=torch (or auto)"

@@ -21,8 +21,6 @@ import torch
 
 from recipe.errors import ConfigError
 
-PRECISIONS = ("auto", "fp32", "bf16")
-
 
 def resolve_precision(name: str, device: torch.device) -> str:
     """`auto` is bf16 on a GPU (Transformer Engine's fused attention needs it) and fp32 on CPU."""

@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from recipe.launch.environment import ProcessEnvironment, read_environment
+from recipe.environment import ProcessEnvironment, read_environment
 from recipe.parallel.layout import ParallelDims, ParallelLayout
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from recipe.config import TrainConfig
+from recipe.environment import cuda_available
 from recipe.errors import ConfigError, RecipeError
 from recipe.parallel import collectives
 
@@ -202,7 +203,7 @@ def full_state(model, optimizer, tp_group) -> dict[str, torch.Tensor]:
                 value.detach().cpu() if torch.is_tensor(value) else (torch.tensor(value))
             )
     state["rng/cpu"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if cuda_available() and torch.cuda.is_initialized():
         state["rng/cuda"] = torch.cuda.get_rng_state()
     return state
 
@@ -270,7 +271,7 @@ def load_full_state(checkpoint: Path, model, optimizer, tp_rank: int, tp_size: i
         {"state": moments, "param_groups": optimizer.state_dict()["param_groups"]}
     )
     torch.set_rng_state(target["rng/cpu"])
-    if "rng/cuda" in target and torch.cuda.is_available():
+    if "rng/cuda" in target and cuda_available():
         torch.cuda.set_rng_state(target["rng/cuda"])
 
 

@@ -21,8 +21,8 @@ from recipe.config import TrainConfig
 from recipe.data.batching import StepStream, chunk_for_eval
 from recipe.data.corpus import Corpus, load_corpus
 from recipe.data.thd import aligned_length
+from recipe.environment import cuda_available, read_environment
 from recipe.errors import ConfigError, StepRefused
-from recipe.launch.environment import read_environment
 from recipe.log import get_logger
 from recipe.model.compat import (
     captured_token_losses,
@@ -466,26 +466,49 @@ def check_run_choices(cfg: TrainConfig, device: torch.device) -> None:
     check_backend_and_precision(backend, precision, cuda=device.type == "cuda")
     if backend == "te" and cfg.cp.size > 1:
         check_te_cp_comm_type(cfg.cp.comm_type, transformer_engine_version())
-    check_upstream_preprocess(cfg.cp.preprocess)
+    check_preprocess_function(cfg.cp.preprocess)
 
 
-def check_upstream_preprocess(preprocess: str) -> None:
-    """A released function named by cp.preprocess (LIBRARY@VERSION) is fetched and loaded before
-    any rank starts, so a missing release is a start-up error, not a failure in every rank."""
+def check_preprocess_function(preprocess: str) -> None:
+    """A function named by cp.preprocess (your package.module:function, or a released
+    LIBRARY@VERSION, fetched here) is loaded and its signature checked before any rank starts:
+    a missing module or release, or a function of another shape, is a start-up error naming
+    cp.preprocess, not a failure in every rank."""
+    import inspect
+
+    from recipe.parallel.cp.contract import load_function
     from recipe.upstream.adapters import checking_preprocess, is_preprocess_spec
     from recipe.upstream.source import UpstreamUnavailable
 
-    if not is_preprocess_spec(preprocess):
+    if is_preprocess_spec(preprocess):
+        try:
+            checking_preprocess(preprocess)
+        except UpstreamUnavailable as err:
+            raise ConfigError(f"cp.preprocess={preprocess}: {err}") from None
         return
+    if ":" not in preprocess:
+        return  # a built-in
     try:
-        checking_preprocess(preprocess)
-    except UpstreamUnavailable as err:
+        fn = load_function(preprocess)
+    except ValueError as err:
         raise ConfigError(f"cp.preprocess={preprocess}: {err}") from None
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a readable signature: the first call will tell
+    try:
+        signature.bind([], None, 2, 0)
+    except TypeError:
+        raise ConfigError(
+            f"cp.preprocess={preprocess}: takes {signature}, which cannot be called as "
+            "fn(sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size=1) ({err}); the "
+            "contract is in recipe/parallel/cp/contract.py"
+        ) from None
 
 
 def _set_threads(local_world: int) -> None:
     """Ranks of one machine share its cores instead of each grabbing all of them."""
-    if not torch.cuda.is_available():
+    if not cuda_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipe.environment import cuda_available
 from recipe.parallel.cp.contract import Mismatch, global_batch
 from recipe.parallel.cp.zigzag import local_token_identity, zigzag_index
 
@@ -450,7 +451,7 @@ def _start_method() -> str:
     less per rank than spawn); with GPUs, spawn, so that no CUDA state is inherited."""
     import multiprocessing
 
-    if torch.cuda.is_available():
+    if cuda_available():
         return "spawn"
     # The fork server is one per process: the first to start it chooses what it preloads (in a
     # test session, usually the pool of tests/helpers/world.py, whose list includes this one).

@@ -30,10 +30,11 @@ import torch
 from torch import Tensor
 
 from recipe.data.packing import PackedBatch, pack_sequences
+from recipe.names import CP_PREPROCESS
 from recipe.parallel.cp.zigzag import zigzag_index
 
 FIELDS = ("input_ids", "position_ids", "labels", "loss_mask")
-BUILT_IN = ("index", "verl_fixed", "verl_legacy")
+BUILT_IN = CP_PREPROCESS
 PAD_ID = 0
 
 

@@ -13,8 +13,9 @@ import torch
 
 from recipe.data.packing import PackedBatch
 from recipe.errors import RecipeError
+from recipe.names import VERL_VARIANTS
 from recipe.parallel.cp import contract
-from recipe.parallel.cp.verl import VERL_VARIANTS, verl_preprocess
+from recipe.parallel.cp.verl import verl_preprocess
 from recipe.parallel.cp.zigzag import shard_tensors, zigzag_index
 
 

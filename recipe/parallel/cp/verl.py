@@ -21,9 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from recipe.names import VERL_VARIANTS
 from recipe.parallel.cp.zigzag import check_cp, padded_seqlens
-
-VERL_VARIANTS = ("verl_fixed", "verl_legacy")
 
 
 def _check_sequence_count(sequences: Sequence[Tensor], cu_seqlens_padded: Tensor) -> None:

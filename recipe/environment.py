@@ -228,11 +228,20 @@ def gpu_index(local_rank: int, local_world_size: int, visible_gpus: int) -> int:
     )
 
 
+def cuda_available() -> bool:
+    """Whether this process computes on GPUs: the one place the recipe asks (the device, the
+    backend, the CPU compatibility patches, the RNG tracker, the launcher's rank limit and
+    checkpointed RNG state all follow from it)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def compute_device(local_rank: int, local_world_size: int = 1):
     """The GPU of this local rank where CUDA exists (see gpu_index), else the CPU."""
     import torch
 
-    if torch.cuda.is_available():
+    if cuda_available():
         index = gpu_index(local_rank, local_world_size, torch.cuda.device_count())
         return torch.device("cuda", index)
     return torch.device("cpu")

@@ -1,0 +1,27 @@
+"""The values a setting can take, and the fp32 tolerances, spelled once.
+
+A leaf module (it imports nothing of the recipe): the schema (`config.py`) validates against these
+tuples, and the code that acts on a value imports the same names, so a new option is added in one
+place and an unknown one is refused everywhere alike.
+"""
+
+from __future__ import annotations
+
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+ATTENTION_BACKENDS = ("auto", "torch", "te")
+DATA_SOURCES = ("markov", "pydoc", "files", "shapes")
+WANDB_MODES = ("disabled", "offline", "online")
+VERL_VARIANTS = ("verl_fixed", "verl_legacy")
+"""verl's per-rank formulas after and before PR #6267 (recipe/parallel/cp/verl.py)."""
+CP_PREPROCESS = ("index", *VERL_VARIANTS)
+"""The built-in CP preprocessing names (beside package.module:function and LIBRARY@VERSION)."""
+PRECISIONS = ("auto", "fp32", "bf16")
+CP_COMM_TYPES = ("p2p", "a2a", "all_gather")
+PASS_POSITION_IDS = ("auto", "mtp_only", "not_vision", "always", "never")
+VISION_POSITIONS = ("full_stream", "rank_local", "stock_sharded", "text_1d")
+MTP_SCALINGS = ("exact", "upstream")
+
+FP32_RTOL = 1e-5
+"""Largest relative difference per step between two fp32 runs on CPU that passes parity."""
+FP32_TOKEN_ATOL = 1e-5
+"""Largest absolute per-token loss difference between two fp32 runs on CPU that passes."""
