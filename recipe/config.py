@@ -304,7 +304,7 @@ class ParallelConfig:
     """Megatron's sequence parallelism: with tp > 1, activations outside the tensor-parallel
     linears (norms, dropout, residuals) are split along the tokens across tp ranks."""
     pp: int = 1
-    """Pipeline-parallel size: only 1 (see README "Tensor parallelism" for why)."""
+    """Pipeline-parallel size: only 1 (see docs/parallelism.md for why)."""
 
     def __post_init__(self) -> None:
         _require(
@@ -316,7 +316,7 @@ class ParallelConfig:
             self.pp == 1,
             f"parallel.pp={self.pp}: pipeline parallelism is not supported: the recipe's "
             "training loop runs micro-batches itself, not megatron-core's pipeline schedule "
-            '(which on CPU/gloo also needs patches: see README "Tensor parallelism"); use '
+            "(which on CPU/gloo also needs patches: see docs/parallelism.md); use "
             "parallel.pp=1 with parallel.tp, cp and parallel.dp",
         )
 
@@ -335,7 +335,7 @@ class MTPConfig:
     """How each MTP target is weighted in the gradient. exact: 1 / (global count of its layer
     over the step), so the MTP term is the mean over layers of each layer's global mean, whatever
     the layout. upstream: the installed megatron-core's own weighting, untouched (on 0.19 it
-    depends on the CP/DP layout; see README "What the recipe finds in megatron-core")."""
+    depends on the CP/DP layout; see docs/findings.md)."""
 
     def __post_init__(self) -> None:
         _positive("mtp.num_layers", self.num_layers)

@@ -1,7 +1,7 @@
 """GPU checks (skipped without CUDA): Transformer Engine attention and nccl ranks agree with the
 recipe's own attention and with cp=1, at bf16's tolerance.
 
-Not run on hardware yet: written against TE's and megatron-core's sources (see README, "On a GPU").
+Not run on hardware yet: written against TE's and megatron-core's sources (see docs/gpu.md).
 """
 
 from __future__ import annotations
