@@ -363,3 +363,77 @@ def test_a_resumed_run_in_a_new_directory_gets_the_whole_curve(tmp_path):
     logger.log_step({"step": 3, "loss": 1.0})
     logger.close()
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def _damage(checkpoint: Path, how: str) -> str:
+    """Damage a real checkpoint; returns what the verification must name."""
+    shard = next(checkpoint.glob("__*_0.distcp"))
+    if how == "truncated":
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2])
+        return f"{shard} has {len(data) // 2} bytes"
+    if how == "missing":
+        shard.unlink()
+        return f"{shard} is missing"
+    if how == "changed":
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        return f"{shard} does not match its checksum"
+    if how == "renamed":
+        moved = checkpoint.with_name(ckpt.checkpoint_name(99))
+        checkpoint.rename(moved)
+        return "says step 24, the directory's name step 99"
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["truncated", "missing", "changed", "renamed"])
+def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_name(
+    how, tmp_path, reference_cp1, caplog
+):
+    """Every checkpoint lists its files with sizes and checksums; resume verifies them first."""
+    run = tmp_path / "run"
+    shutil.copytree(reference_cp1, run)
+    newest = run / "checkpoints" / "step_00000024"
+    manifest = ckpt.read_manifest(newest)
+    assert set(manifest["files"]) >= {".metadata", "__0_0.distcp"}
+    assert ckpt.checkpoint_problem(newest) is None
+    what = _damage(newest, how)
+    damaged = newest if how != "renamed" else newest.with_name(ckpt.checkpoint_name(99))
+    assert what in ckpt.checkpoint_problem(damaged)
+    with caplog.at_level("WARNING"):
+        assert ckpt.resolve_resume("auto", run) == run / "checkpoints" / "step_00000016"
+    assert f"skipping damaged checkpoint {damaged}" in caplog.text and what in caplog.text
+    with pytest.raises(ConfigError, match=r"is damaged: .*newest before it is .*step_00000016"):
+        ckpt.resolve_resume(str(damaged), None)
+
+
+def test_auto_resumes_past_a_truncated_newest_checkpoint_bit_for_bit(tmp_path, reference_cp1):
+    """A truncated shard in the newest checkpoint: auto takes the one before it, and the curve
+    equals the uninterrupted run's bit for bit."""
+    from recipe.training.trainer import train
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(reference_cp1 / "checkpoints", run / "checkpoints")
+    head = read_metrics(reference_cp1)[:8]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in head))
+    _damage(run / "checkpoints" / "step_00000016", "truncated")
+    (run / "checkpoints" / "step_00000024").rename(run / "checkpoints" / "step_00000024.partial")
+    train(typed_config([*RUN, "trainer.resume=auto"], output_dir=run))
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (marker,) = [json.loads(line)["resumed"] for line in lines if '"resumed"' in line]
+    assert marker["from_step"] == 8
+    assert _curve(read_metrics(run)) == _curve(read_metrics(reference_cp1))
+
+
+def test_one_line_says_where_training_starts():
+    from recipe.training.trainer import where_training_starts
+
+    assert where_training_starts(None, None, 0) == "starting at step 0"
+    assert where_training_starts("auto", None, 0) == (
+        "no checkpoint to resume in this run directory: starting at step 0"
+    )
+    assert where_training_starts("auto", Path("c/step_00000008"), 8) == (
+        "resuming from c/step_00000008: training starts after step 8"
+    )

@@ -96,7 +96,8 @@ def test_cli_data_files_trains_on_a_local_jsonl(tmp_path):
     assert summary["steps"] == 2 and summary["entropy_floor"] is None
     # Hydra's train.log holds what the console showed (with timestamps).
     shown = [line for line in result.stdout.splitlines() if line.strip()]
-    assert shown[0].startswith("run directory:") and len(shown) >= 8
+    assert shown[0] == "starting at step 0", "one line says where training starts"
+    assert shown[1].startswith("run directory:") and len(shown) >= 9
     log = (tmp_path / "run" / "train.log").read_text()
     assert all(line in log for line in shown), log
 

@@ -14,13 +14,17 @@ dtype, which is what loading into another layout needs. Joining the shards costs
 the model per rank, which suits the model sizes this recipe compares.
 
 On disk, `<run dir>/checkpoints/step_00000010/`: DCP's `.metadata` and `__<rank>_0.distcp`, and
-`manifest.json` (step, data position, the metrics so far, the writing layout and config). It is
-written as `step_00000010.partial` and renamed only when complete: a run killed mid-write leaves a
-`.partial` that resume never reads.
+`manifest.json` (step, data position, the metrics so far, the writing layout and config, and
+every file of the checkpoint with its size and SHA-256). It is written as `step_00000010.partial`
+and renamed only when complete: a run killed mid-write leaves a `.partial` that resume never
+reads. Before a checkpoint is loaded it is verified against its manifest (files, sizes, checksums,
+the step in its name): `trainer.resume=auto` passes over a damaged one with a warning naming it
+and takes the newest good one; a damaged checkpoint named explicitly is an error naming the file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -34,6 +38,7 @@ import torch
 from recipe.config import TrainConfig
 from recipe.environment import cuda_available
 from recipe.errors import ConfigError, RecipeError
+from recipe.log import get_logger
 from recipe.parallel import collectives
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -70,24 +75,89 @@ def complete_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def file_listing(checkpoint: str | Path) -> dict[str, dict]:
+    """{file name: {"size": bytes, "sha256": hex}} of every file a checkpoint holds but its
+    manifest (which lists them)."""
+    listing = {}
+    for path in sorted(Path(checkpoint).iterdir()):
+        if path.is_file() and path.name != MANIFEST_FILE:
+            listing[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return listing
+
+
+def checkpoint_problem(checkpoint: str | Path) -> str | None:
+    """What is wrong with a complete-looking checkpoint, or None: an unreadable manifest, a step
+    that is not the one in the directory's name, a listed file missing, cut short or changed.
+    (A checkpoint written before files were listed has nothing to verify them against.)"""
+    checkpoint = Path(checkpoint)
+    try:
+        manifest = read_manifest(checkpoint)
+    except ConfigError as err:
+        return str(err)
+    named = _NAME.match(checkpoint.name)
+    if named and int(named.group(1)) != manifest.get("step"):
+        return (
+            f"{checkpoint / MANIFEST_FILE} says step {manifest.get('step')}, the directory's name "
+            f"step {int(named.group(1))}"
+        )
+    for name, expected in (manifest.get("files") or {}).items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{path} has {size} bytes, the manifest lists {expected['size']}"
+        if _sha256(path) != expected["sha256"]:
+            return f"{path} does not match its checksum in the manifest (the file changed)"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _newest_good(directory: Path) -> Path | None:
+    """The newest checkpoint in `directory` that verifies, warning about each newer one that
+    does not (it stays on disk, for a look)."""
+    for _, path in reversed(complete_checkpoints(directory)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        get_logger(__name__).warning(f"skipping damaged checkpoint {path}: {problem}")
+    return None
+
+
 def resolve_resume(spec: str | None, run_dir: str | Path | None) -> Path | None:
-    """The checkpoint that `trainer.resume` names: None (start fresh), `auto` (the newest one in
-    this run directory, or none yet), or a path to a checkpoint, a checkpoints directory or a run
-    directory (its newest)."""
+    """The checkpoint that `trainer.resume` names: None (start fresh), `auto` (the newest good
+    one in this run directory, or none yet), or a path to a checkpoint (which must verify), a
+    checkpoints directory or a run directory (its newest good one)."""
     if spec is None:
         return None
     if spec == "auto":
         if run_dir is None:
             return None
-        found = complete_checkpoints(Path(run_dir) / CHECKPOINTS_DIR)
-        return found[-1][1] if found else None
+        return _newest_good(Path(run_dir) / CHECKPOINTS_DIR)
     path = Path(spec)
     if (path / MANIFEST_FILE).is_file():
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            older = [p for _, p in complete_checkpoints(path.parent) if p != path]
+            hint = f"; the newest before it is {older[-1]}" if older else ""
+            raise ConfigError(f"trainer.resume={spec} is damaged: {problem}{hint}")
         return path
     for directory in (path / CHECKPOINTS_DIR, path):
-        found = complete_checkpoints(directory)
-        if found:
-            return found[-1][1]
+        if complete_checkpoints(directory):
+            found = _newest_good(directory)
+            if found is None:
+                raise ConfigError(
+                    f"trainer.resume={spec}: every checkpoint in {directory} is damaged (each is "
+                    "named above)"
+                )
+            return found
     if path.name.endswith(PARTIAL_SUFFIX):
         raise ConfigError(
             f"trainer.resume={spec}: that checkpoint was never completed (the run stopped while "
@@ -296,7 +366,12 @@ def save_checkpoint(
         collectives.barrier()
         dcp.save(tensors, checkpoint_id=str(partial))
         if is_main:
-            manifest = {**manifest, "path": str(final), "written_at": time.time()}
+            manifest = {
+                **manifest,
+                "path": str(final),
+                "written_at": time.time(),
+                "files": file_listing(partial),
+            }
             _write_atomically(partial / MANIFEST_FILE, json.dumps(manifest) + "\n")
             if final.exists():  # the same step written again (a resumed run that had finished)
                 shutil.rmtree(final)

@@ -506,6 +506,15 @@ def check_preprocess_function(preprocess: str) -> None:
         ) from None
 
 
+def where_training_starts(resume: str | None, checkpoint: Path | None, step: int) -> str:
+    """The one line that says where training starts (console and train.log)."""
+    if checkpoint is not None:
+        return f"resuming from {checkpoint}: training starts after step {step}"
+    if resume == "auto":
+        return "no checkpoint to resume in this run directory: starting at step 0"
+    return "starting at step 0"
+
+
 def _set_threads(local_world: int) -> None:
     """Ranks of one machine share its cores instead of each grabbing all of them."""
     if not cuda_available():
@@ -528,6 +537,7 @@ def train(cfg: TrainConfig) -> dict:
         trainer = Trainer(cfg, layout, env.device, corpus)
         checkpoint = resolve_resume(cfg.trainer.resume, cfg.output_dir)
         changes = trainer.restore(checkpoint) if checkpoint else []
+        _log.info(where_training_starts(cfg.trainer.resume, checkpoint, trainer.step))
         if layout.is_main:
             logger = trainer.logger = RunLogger(
                 cfg, cfg.output_dir, cfg.trainer.max_steps, first_step=trainer.step
