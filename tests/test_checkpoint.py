@@ -437,3 +437,18 @@ def test_one_line_says_where_training_starts():
     assert where_training_starts("auto", Path("c/step_00000008"), 8) == (
         "resuming from c/step_00000008: training starts after step 8"
     )
+
+
+def test_changes_that_alter_the_numbers_are_recorded_in_the_resume_marker():
+    cfg = typed_config(list(RUN))
+    manifest = {"path": "c", "config": ckpt.config_fingerprint(cfg)}
+    changed = ["trainer.precision=bf16", "cp.preprocess=verl_fixed", "trainer.deterministic=false"]
+    assert ckpt.resume_differences(manifest, typed_config([*RUN, *changed])) == [
+        "cp.preprocess: 'index' -> 'verl_fixed'",
+        "trainer.deterministic: True -> False",
+        "trainer.precision: 'auto' -> 'bf16'",
+    ]
+    old = {k: v for k, v in manifest["config"].items() if not k.startswith(("cp.", "trainer.p"))}
+    assert ckpt.resume_differences({"path": "c", "config": old}, cfg) == [], (
+        "a checkpoint written before these were recorded had their defaults"
+    )

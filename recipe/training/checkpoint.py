@@ -49,9 +49,16 @@ _NAME = re.compile(r"^step_(\d+)$")
 
 # What a resumed run must share with the run that wrote the checkpoint: the model's shapes and
 # the data stream. Layout (tp, cp, dp, micro-batching) may differ; optimizer and schedule
-# settings may be changed on purpose and are reported.
+# settings, the precision, determinism and the CP preprocessing may be changed on purpose: they
+# change the numbers, so each change is recorded in the resume marker and logged.
 MUST_MATCH = ("model", "mtp", "vision", "data", "batching.tokens_per_step")
-REPORTED = ("optim", "trainer.max_steps")
+REPORTED = (
+    "optim",
+    "trainer.max_steps",
+    "trainer.precision",
+    "trainer.deterministic",
+    "cp.preprocess",
+)
 
 
 class CheckpointWriteError(RecipeError, OSError):
@@ -194,7 +201,13 @@ def config_fingerprint(cfg) -> dict:
             "data": asdict(cfg.data),
             "batching": asdict(cfg.batching),
             "optim": asdict(cfg.optim),
-            "trainer": {"max_steps": cfg.trainer.max_steps, "seed": cfg.trainer.seed},
+            "trainer": {
+                "max_steps": cfg.trainer.max_steps,
+                "seed": cfg.trainer.seed,
+                "precision": cfg.trainer.precision,
+                "deterministic": cfg.trainer.deterministic,
+            },
+            "cp": {"preprocess": cfg.cp.preprocess},
             "parallel": {"tp": cfg.parallel.tp, "cp": cfg.cp.size, "dp": cfg.parallel.dp},
         }
     )
