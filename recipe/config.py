@@ -499,6 +499,10 @@ class TrainerConfig:
     resume: str | None = None
     """null: start fresh | auto: continue from this run directory's newest checkpoint (or start
     fresh when it has none) | PATH: a checkpoint, or a run directory, to continue from."""
+    allow_data_change: bool = False
+    """Resume although an input file (data.data_files, data.tokenizer) differs from the one the
+    checkpoint was written on (its size or SHA-256): the data position then points into the new
+    files. Off: such a resume is refused, naming the file."""
     record_tokens: list[int] = field(default_factory=list)
     """Steps whose every predicted token's loss is written, with its sample, position, dp/cp rank
     and zigzag chunk, to <run dir>/tokens/step_N.npz (e.g. [1,10]); see --per-token."""

@@ -452,3 +452,41 @@ def test_changes_that_alter_the_numbers_are_recorded_in_the_resume_marker():
     assert ckpt.resume_differences({"path": "c", "config": old}, cfg) == [], (
         "a checkpoint written before these were recorded had their defaults"
     )
+
+
+def _corpus(path: Path, words: str) -> None:
+    rows = [{"text": f"{words} number {i} " * 4} for i in range(120)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_regenerated_data_file_is_refused_on_resume_naming_it(tmp_path):
+    """The manifest records each input file's size and SHA-256: a file regenerated under the
+    same path is exit 2 naming it, unless trainer.allow_data_change=true says it is meant."""
+    from recipe.training.trainer import train
+
+    data = tmp_path / "corpus.jsonl"
+    _corpus(data, "the first corpus")
+    files = ["data=files", "data.path=json", f"data.data_files={data}", "data.max_seq_len=128"]
+    run = tmp_path / "run"
+    train(
+        typed_config([*files, "trainer.max_steps=2", "trainer.checkpoint_every=2"], output_dir=run)
+    )
+    manifest = ckpt.read_manifest(run / "checkpoints" / "step_00000002")
+    assert manifest["inputs"] == {
+        str(data): {"size": data.stat().st_size, "sha256": ckpt.sha256(data)}
+    }
+    resume = [*files, "trainer.max_steps=2", "trainer.resume=auto"]
+    assert ckpt.resume_differences(manifest, typed_config(resume)) == []
+    _corpus(data, "a regenerated corpus")
+    with pytest.raises(ConfigError) as refused:
+        ckpt.resume_differences(manifest, typed_config(resume))
+    assert f"{data} changed (" in str(refused.value)
+    assert "trainer.allow_data_change=true" in str(refused.value)
+    allowed = ckpt.resume_differences(
+        manifest, typed_config([*resume, "trainer.allow_data_change=true"])
+    )
+    before = manifest["inputs"][str(data)]["size"]
+    assert allowed == [f"input {data} changed ({before} -> {data.stat().st_size} bytes)"]
+    data.unlink()
+    gone = ckpt.fingerprint_changes(manifest["inputs"], {})
+    assert gone == [f"{data} is no longer there"]

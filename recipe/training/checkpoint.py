@@ -24,7 +24,6 @@ and takes the newest good one; a damaged checkpoint named explicitly is an error
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 from recipe.config import TrainConfig
+from recipe.data.fingerprint import data_fingerprint, fingerprint_changes, sha256
 from recipe.environment import cuda_available
 from recipe.errors import ConfigError, RecipeError
 from recipe.log import get_logger
@@ -88,7 +88,7 @@ def file_listing(checkpoint: str | Path) -> dict[str, dict]:
     listing = {}
     for path in sorted(Path(checkpoint).iterdir()):
         if path.is_file() and path.name != MANIFEST_FILE:
-            listing[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+            listing[path.name] = {"size": path.stat().st_size, "sha256": sha256(path)}
     return listing
 
 
@@ -114,17 +114,9 @@ def checkpoint_problem(checkpoint: str | Path) -> str | None:
         size = path.stat().st_size
         if size != expected["size"]:
             return f"{path} has {size} bytes, the manifest lists {expected['size']}"
-        if _sha256(path) != expected["sha256"]:
+        if sha256(path) != expected["sha256"]:
             return f"{path} does not match its checksum in the manifest (the file changed)"
     return None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _newest_good(directory: Path) -> Path | None:
@@ -227,13 +219,22 @@ def resume_differences(manifest: dict, cfg) -> list[str]:
         return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
     fatal = changed(MUST_MATCH)
+    inputs = fingerprint_changes(manifest.get("inputs", {}), data_fingerprint(cfg.data))
+    if "inputs" in manifest and inputs and not cfg.trainer.allow_data_change:
+        raise ConfigError(
+            f"checkpoint {manifest['path']} was written on other input files: "
+            + "; ".join(inputs)
+            + ". Its data position points into the files as they were: restore them, or set "
+            "trainer.allow_data_change=true to continue on the new ones on purpose"
+        )
     if fatal:
         raise ConfigError(
             f"checkpoint {manifest['path']} was written by a different model or data stream: "
             + "; ".join(fatal)
             + ". Resume with the settings that wrote it (the layout may differ), or start fresh"
         )
-    return changed(REPORTED)
+    inputs = [f"input {line}" for line in inputs] if "inputs" in manifest else []
+    return changed(REPORTED) + inputs
 
 
 def _flatten(node, prefix: str = "") -> dict:

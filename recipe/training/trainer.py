@@ -20,6 +20,7 @@ import torch
 from recipe.config import TrainConfig
 from recipe.data.batching import StepStream, chunk_for_eval
 from recipe.data.corpus import Corpus, load_corpus
+from recipe.data.fingerprint import data_fingerprint
 from recipe.data.thd import aligned_length
 from recipe.environment import cuda_available, read_environment
 from recipe.errors import ConfigError, StepRefused
@@ -117,6 +118,8 @@ class Trainer:
         self.history: list[dict] = []
         """metrics.jsonl records of the steps taken."""
         self.checkpoint_dir = Path(cfg.output_dir) / CHECKPOINTS_DIR if cfg.output_dir else None
+        # the input files as this run read them, recorded in every checkpoint's manifest
+        self.inputs = data_fingerprint(cfg.data) if self.checkpoint_dir else {}
         self.guard = StepGuard.from_config(cfg.trainer)
         """Judges each step before its update (non-finite values, spikes)."""
         self.stop_reason: str | None = None
@@ -371,6 +374,7 @@ class Trainer:
                 "dp": self.layout.dp_size,
             },
             "config": config_fingerprint(self.cfg),
+            "inputs": self.inputs,
             "versions": {"torch": torch.__version__, "megatron_core": megatron.core.__version__},
         }
         return save_checkpoint(
