@@ -350,3 +350,35 @@ def test_the_report_notes_runs_with_spikes_and_which_were_not_applied(tmp_path):
     assert "2 spike step(s) flagged by the step guard (steps 3, 4, not applied: 4)" in report
     quiet = render_markdown(compare_all(find_runs([tmp_path / "0"]), 1e-5), 1e-5)
     assert "spike" not in quiet
+
+
+def test_non_finite_steps_are_reported_and_never_pass(tmp_path):
+    """A NaN/inf is written as null; the comparison says at which steps and fails, instead of
+    comparing the other steps only and showing an earlier step's value as final."""
+    make_run(tmp_path, "0", cp=1)
+    broken = make_run(tmp_path, "1", cp=2)
+    rows = [json.loads(line) for line in (broken / "metrics.jsonl").read_text().splitlines()]
+    for row in rows[3:]:
+        row["lm_loss"] = None
+    (broken / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    comparisons = compare_all(find_runs([tmp_path]), 1e-5)
+    assert not all_passed(comparisons)
+    assert "lm_loss is non-finite in the run at 2 steps (4, 5)" in comparisons[1].notes
+    report = render_markdown(comparisons, 1e-5)
+    assert "non-finite in the run at 2 steps" in report and "0 passed, 1 failed" in report
+
+
+def test_a_failed_job_that_logged_every_step_is_not_shown_as_pass(tmp_path):
+    """It failed after its last record (writing its summary, say): its curve matches, and it
+    is still FAIL, counted once."""
+    make_run(tmp_path, "0", cp=1)
+    make_run(tmp_path, "1", cp=2)
+    make_run(tmp_path, "2", cp=2, pe="rope")
+    comparisons = compare_all(find_runs([tmp_path]), 1e-5)
+    assert [c.passed for c in comparisons] == [None, True, True], "the curves match"
+    report = render_markdown(comparisons, 1e-5, failures=[("1", "OSError: disk full")])
+    (row,) = [line for line in report.splitlines() if line.startswith("| 1")]
+    assert row.endswith("**FAIL** (job failed) |")
+    assert "1 passed, 1 failed" in report
+    baseline_failed = render_markdown(comparisons, 1e-5, failures=[("0", "boom")])
+    assert "baseline (job failed)" in baseline_failed and "2 passed, 1 failed" in baseline_failed

@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from recipe.compare.runs import IGNORED_PREFIXES, Run, series
+from recipe.compare.runs import IGNORED_PREFIXES, Run, nonfinite_steps, series
 
 DEFAULT_METRICS = ("lm_loss", "mtp_loss", "grad_norm")
 # Keys that may differ between a run and its baseline: how the work is split, not what is computed.
@@ -113,6 +113,12 @@ def compare(
         ok = False
     compared = 0
     for metric in metrics:
+        for side, which in ((run, "run"), (baseline, "baseline")):
+            bad = nonfinite_steps(side, metric)
+            if bad:
+                shown = ", ".join(map(str, bad[:5])) + (" ..." if len(bad) > 5 else "")
+                notes.append(f"{metric} is non-finite in the {which} at {len(bad)} steps ({shown})")
+                ok = False
         a, b = series(run, metric), series(baseline, metric)
         if not a and not b:
             continue

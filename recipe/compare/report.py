@@ -39,6 +39,7 @@ def render_markdown(
     """The parity table; `failures` are (job, error) of jobs that crashed, listed as FAIL;
     `tokens` maps a run's path to its per-token miss ("4.1e+04x atol on per-token")."""
     tokens = tokens or {}
+    crashed = {job for job, _ in failures}
     runs = [c.run for c in comparisons]
     labels = run_labels(runs)
     metrics = [
@@ -66,6 +67,8 @@ def render_markdown(
                 )
                 else "no baseline"
             )
+            if c.run.path.name in crashed:
+                verdict += " (job failed)"
             row = [labels[c.run.path], "-", str(len(c.run.metrics))]
             row += ["-"] * (3 * len(metrics)) + ["-", "-", verdict]
         else:
@@ -86,7 +89,9 @@ def render_markdown(
             row += [
                 _margin(lm, rtol),
                 _fmt(lm.correlation if lm else None, ".6f"),
-                "**PASS**" if c.passed else "**FAIL**",
+                "**FAIL** (job failed)"
+                if c.run.path.name in crashed
+                else ("**PASS**" if c.passed else "**FAIL**"),
             ]
         lines.append("| " + " | ".join(row) + " |")
     logged = {c.run.path.name for c in comparisons}
@@ -115,8 +120,8 @@ def render_markdown(
     if notes:
         lines += ["", "Notes:", *notes]
     compared = [c for c in comparisons if c.passed is not None]
-    failed = {c.run.path.name for c in compared if not c.passed} | {job for job, _ in failures}
-    passed = len([c for c in compared if c.passed])
+    failed = {c.run.path.name for c in compared if not c.passed} | crashed
+    passed = len([c for c in compared if c.passed and c.run.path.name not in crashed])
     lines += ["", f"{passed} passed, {len(failed)} failed"]
     return "\n".join(lines) + "\n"
 

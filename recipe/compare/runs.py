@@ -109,6 +109,12 @@ def series(run: Run, metric: str) -> dict[int, float]:
     }
 
 
+def nonfinite_steps(run: Run, metric: str) -> list[int]:
+    """Steps whose record holds the metric as null: a NaN or inf, written as null (JSON has no
+    NaN), which `series` leaves out."""
+    return [int(m["step"]) for m in run.metrics if metric in m and m[metric] is None]
+
+
 def run_labels(runs: list[Run]) -> dict[Path, str]:
     """Short names: the directory name plus the config values that differ between the runs."""
     keys = sorted({k for r in runs for k in r.config if not k.startswith(IGNORED_PREFIXES)})
