@@ -31,6 +31,7 @@ from recipe.training.loggers import (
     effective_records,
     parse_metrics_lines,
     read_metrics,
+    run_id_in,
 )
 from tests.helpers.cli import (
     run_train_cli,
@@ -359,10 +360,55 @@ def test_a_failed_metrics_write_leaves_only_whole_lines_and_names_the_file(tmp_p
 def test_a_resumed_run_in_a_new_directory_gets_the_whole_curve(tmp_path):
     history = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}]
     logger = RunLogger(typed_config(), tmp_path, total_steps=4, first_step=2)
-    logger.log_resume(2, history, Path("elsewhere/step_00000002"), [])
+    logger.log_resume(2, history, Path("elsewhere/step_00000002"), [], run_id="r1")
     logger.log_step({"step": 3, "loss": 1.0})
     logger.close()
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert run_id_in(tmp_path) == "r1", "the run continues under its own name"
+
+
+def test_a_fresh_run_names_itself_in_its_first_line_and_readers_skip_it(tmp_path):
+    logger = RunLogger(typed_config(), tmp_path, total_steps=2)
+    logger.log_start("abc")
+    logger.log_step({"step": 1, "loss": 1.0})
+    logger.close()
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines()[0] == '{"run": {"id": "abc"}}'
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 1.0}]
+    assert run_id_in(tmp_path) == "abc" and run_id_in(tmp_path / "none") is None
+
+
+def test_a_resume_into_another_runs_directory_is_refused(tmp_path):
+    from recipe.launch.task import check_same_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"run": {"id": "mine"}}\n{"step": 1}\n')
+    own = run / "checkpoints" / "step_00000001"
+    check_same_run(str(run), own, "mine")
+    check_same_run(str(tmp_path / "new"), tmp_path / "x" / "step_00000001", "theirs")
+    with pytest.raises(
+        ConfigError, match="holds the metrics of run mine; checkpoint .* run theirs"
+    ):
+        check_same_run(str(run), tmp_path / "x" / "step_00000001", "theirs")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # written before runs had ids
+    check_same_run(str(run), own, None)
+    with pytest.raises(ConfigError, match="holds the metrics of another run"):
+        check_same_run(str(run), tmp_path / "x" / "step_00000001", None)
+
+
+@pytest.mark.launches
+def test_a_refused_resume_changes_nothing_in_the_directory_it_found(tmp_path, reference_cp1):
+    """A finished run's directory, another run's checkpoint: exit 2 before anything is written,
+    its metrics, summary and Hydra's .hydra/ files as they were."""
+    other = tmp_path / "other"
+    _train(other, "trainer.max_steps=2", "trainer.checkpoint_every=0")
+    files = [other / "metrics.jsonl", other / "summary.json", *sorted((other / ".hydra").iterdir())]
+    before = {f: f.read_bytes() for f in files}
+    start = reference_cp1 / "checkpoints" / "step_00000008"
+    done = run_train_cli([*RUN, f"trainer.resume={start}", f"hydra.run.dir={other}"], cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"run directory {other} holds the metrics of run" in done.stderr
+    assert {f: f.read_bytes() for f in files} == before
 
 
 def _damage(checkpoint: Path, how: str) -> str:
@@ -490,3 +536,51 @@ def test_a_regenerated_data_file_is_refused_on_resume_naming_it(tmp_path):
     data.unlink()
     gone = ckpt.fingerprint_changes(manifest["inputs"], {})
     assert gone == [f"{data} is no longer there"]
+
+
+def test_rewinding_starts_a_new_timeline_that_auto_follows(tmp_path, reference_cp1):
+    """Resume from step 8 in a directory that has 16 and 24: those are set aside (kept, not
+    counted, never taken by auto). The new timeline is then cut short after step 18 (as a kill
+    leaves it): auto continues it from its own step 16, and the curve is the uninterrupted one."""
+    from recipe.training.trainer import train
+
+    run = tmp_path / "run"
+    shutil.copytree(reference_cp1, run)
+    old_16 = ckpt.read_manifest(run / "checkpoints" / "step_00000016")["written_at"]
+    start = run / "checkpoints" / "step_00000008"
+    train(typed_config([*RUN, f"trainer.resume={start}"], output_dir=run))
+    (aside,) = (run / "checkpoints" / ckpt.SET_ASIDE_DIR).iterdir()
+    assert sorted(p.name for p in aside.iterdir()) == ["step_00000016", "step_00000024"]
+    assert ckpt.read_manifest(aside / "step_00000016")["written_at"] == old_16
+    assert [s for s, _ in ckpt.complete_checkpoints(run / "checkpoints")] == [8, 16, 24]
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    (marker,) = [r["resumed"] for r in records if "resumed" in r]
+    assert marker["from_step"] == 8 and len(marker["set_aside"]) == 2
+    # the new timeline killed after step 18: its step-24 checkpoint and steps 19-24 never made
+    shutil.rmtree(run / "checkpoints" / "step_00000024")
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(lines[:-6]) + "\n")
+    new_16 = ckpt.resolve_resume("auto", run)
+    assert new_16.name == "step_00000016" and ckpt.read_manifest(new_16)["written_at"] != old_16
+    train(typed_config([*RUN, "trainer.resume=auto"], output_dir=run))
+    assert _curve(read_metrics(run)) == _curve(read_metrics(reference_cp1))
+    assert len(list((run / "checkpoints" / ckpt.SET_ASIDE_DIR).iterdir())) == 1
+
+
+def test_a_short_write_is_reported_as_the_full_disk_it_is(tmp_path, monkeypatch):
+    """torch's writer reports a full disk as `unexpected pos N vs M` with no errno (seen on a
+    600 KiB tmpfs); the message says ENOSPC and how much space is left, once."""
+    from collections import namedtuple
+
+    torch_says = RuntimeError(
+        "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+    )
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(600, 600, 0))
+    assert ckpt._root_cause(torch_says, tmp_path / "checkpoints") == (
+        "[Errno 28] No space left on device (a short write: torch says 'unexpected pos 704 vs "
+        "598'; 0 bytes free there)"
+    )
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(1 << 40, 0, 1 << 40))
+    assert ckpt._root_cause(torch_says, tmp_path).endswith("(a quota, or a failing device?)")
+    assert ckpt._root_cause(RuntimeError("other"), tmp_path) == "RuntimeError: other"

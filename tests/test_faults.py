@@ -294,15 +294,15 @@ def test_unreadable_files_name_the_file_and_the_cause(tmp_path):
     "args,fragment",
     [
         (
-            ["cp=8"],
-            "cp=8: the config group cp has no option '8'; its options are 1, 2, 4; cp.size=8",
+            ["cp=6"],
+            "cp=6: the config group cp has no option '6'; its options are 1, 2, 4, 8; cp.size=6",
         ),
-        (["-m", "cp=1,8"], "cp=8: the config group cp has no option '8'"),
+        (["-m", "cp=1,6"], "cp=6: the config group cp has no option '6'"),
         (["model=huge"], "model=huge: the config group model has no option 'huge'; its options"),
     ],
 )
 def test_a_missing_group_option_exits_2_with_the_options(tmp_path, args, fragment):
-    """Hydra's own error for `cp=8` exited 1 and did not point at cp.size=8."""
+    """Hydra's own error for `cp=6` exited 1 and did not point at cp.size=6."""
     from tests.helpers.cli import run_train_cli
 
     result = run_train_cli(args, cwd=tmp_path, timeout=60)
@@ -343,3 +343,25 @@ def test_a_signalled_self_launched_job_exits_with_the_convention_and_one_line(tm
     assert "Traceback" not in stderr
     assert f"stopped by {signal.Signals(signum).name}; the ranks were ended" in stderr
     assert not _rank_processes(job.pid)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not Path("/proc").exists(), reason="finds rank processes through /proc")
+def test_a_signal_to_one_rank_ends_the_job_like_a_signal_to_the_parent(tmp_path):
+    """SIGUSR1 to rank 1 alone: every rank stops at the step boundary with a checkpoint, and the
+    job exits 138 with the line that says how to continue (it was "rank 0 failed", exit 1)."""
+    run_dir = tmp_path / "run"
+    job = start_train_cli(["cp=2", "trainer.max_steps=500"], run_dir)
+    try:
+        wait_for_steps(job, run_dir, 2)
+        ranks = _rank_processes(job.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGUSR1)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 128 + signal.SIGUSR1, stderr[-3000:]
+    assert "stopped by SIGUSR1; a rank was sent it" in stderr
+    assert f"continue with trainer.resume=auto hydra.run.dir={run_dir}" in stderr
+    assert "rank 0 failed" not in stderr and "rank 1 failed" not in stderr

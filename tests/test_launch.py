@@ -56,8 +56,10 @@ def test_cli_cp2_self_launches_into_exactly_one_output_directory(tmp_path):
     (run_dir,) = run_dirs
     assert (run_dir / ".hydra" / "config.yaml").exists()
     assert len(list(tmp_path.rglob(".hydra"))) == 1, "ranks must not create their own folders"
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3], "only rank 0 writes metrics"
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert list(rows[0]) == ["run"], "the first line names the run"
+    assert [r["step"] for r in rows[1:]] == [1, 2, 3], "only rank 0 writes metrics"
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
 
 

@@ -83,20 +83,42 @@ def launch_world(cfg: TrainConfig, entrypoint=_worker) -> dict:
     try:
         results = elastic_launch(launch_cfg, entrypoint=entrypoint)(cfg)
     except ChildFailedError as err:
+        signum = stopped_by_signal([f.exitcode for f in err.failures.values()])
+        if signum:  # a rank was signalled, every rank stopped at the step boundary with it
+            raise RanksStopped(signum, by_rank=True) from None
         raise RanksFailed(_describe_failures(err.failures)) from None
     except SignalException as err:  # the agent has already ended the ranks
         raise RanksStopped(err.sigval) from None
     return results[0]
 
 
+def stopped_by_signal(exit_codes: list[int]) -> int:
+    """The stop signal the ranks ended on, when they all exited with the shell's code for the
+    same forwarded signal (128 + its number: what a rank's checkpoint-and-stop exits with), else
+    0. A signal sent to one rank then ends the job as a signal to the parent does."""
+    import signal
+
+    stop_codes = {128 + int(getattr(signal, name)) for name in FORWARDED_SIGNALS.split(",")}
+    codes = set(exit_codes)
+    if len(codes) == 1 and (code := codes.pop()) in stop_codes:
+        return code - 128
+    return 0
+
+
 class RanksStopped(Exception):
     """The job was sent a termination signal (SIGTERM, SIGINT, ...); its ranks were ended."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, by_rank: bool = False):
         import signal
 
         self.signum = int(signum)
-        super().__init__(f"stopped by {signal.Signals(self.signum).name}; the ranks were ended")
+        name = signal.Signals(self.signum).name
+        how = (
+            "a rank was sent it and every rank stopped at the step boundary"
+            if by_rank
+            else "the ranks were ended"
+        )
+        super().__init__(f"stopped by {name}; {how}")
 
     @property
     def exit_code(self) -> int:

@@ -10,6 +10,8 @@ which rank and host it is: each writes to its own log, and the first error is ra
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from omegaconf import DictConfig, OmegaConf
 
 from recipe.config import ConfigError, TrainConfig
@@ -23,6 +25,7 @@ from recipe.training.checkpoint import (
     resolve_resume,
     resume_differences,
 )
+from recipe.training.loggers import METRICS_FILE, run_id_in
 from recipe.training.preemption import Preempted
 from recipe.training.trainer import check_run_choices, train
 
@@ -72,6 +75,8 @@ def run(cfg: DictConfig):
             resuming = typed.trainer.resume is not None
             run_dir_lock = claim_run_directory(typed.output_dir, resuming)  # noqa: F841
         check_resumable(typed)
+        if env.rank == 0:
+            write_job_files(typed.output_dir, cfg, hydra_cfg)
         if multirun:
             group_sweep_in_wandb(typed, list(hydra_cfg.overrides.task))
         if typed.world_size == 1 or env.external:
@@ -121,10 +126,46 @@ def _rank_and_host(env: ProcessEnvironment) -> str:
 
 
 def check_resumable(cfg: TrainConfig) -> None:
-    """Before any rank starts: the checkpoint trainer.resume names exists and fits this config."""
+    """Before any rank starts: the checkpoint trainer.resume names exists, fits this config, and
+    belongs to the run whose metrics this run directory holds (if it holds any)."""
     checkpoint = resolve_resume(cfg.trainer.resume, cfg.output_dir)
     if checkpoint is not None:
-        resume_differences(read_manifest(checkpoint), cfg)
+        manifest = read_manifest(checkpoint)
+        resume_differences(manifest, cfg)
+        check_same_run(cfg.output_dir, checkpoint, manifest.get("run_id"))
+
+
+def check_same_run(output_dir: str | None, checkpoint: Path, checkpoint_run: str | None) -> None:
+    """Resuming into a directory that holds another run's metrics would mix two runs in one
+    metrics.jsonl (and replace its summary): refused. The runs' ids decide; for runs written
+    before ids, a checkpoint from outside this directory counts as another run."""
+    if output_dir is None:
+        return
+    metrics = Path(output_dir) / METRICS_FILE
+    if not metrics.is_file() or metrics.stat().st_size == 0:
+        return  # a new directory gets the checkpoint's records: the run continues there
+    here = run_id_in(output_dir)
+    inside = Path(output_dir).resolve() in Path(checkpoint).resolve().parents
+    same = here == checkpoint_run if here and checkpoint_run else inside
+    if not same:
+        whose = f"run {here}" if here else "another run"
+        raise ConfigError(
+            f"run directory {output_dir} holds the metrics of {whose}; checkpoint {checkpoint} "
+            f"belongs to {'run ' + checkpoint_run if checkpoint_run else 'another run'}. Resume "
+            "into a new hydra.run.dir (the checkpoint's records are copied there) or into the "
+            "checkpoint's own run directory"
+        )
+
+
+def write_job_files(output_dir: str, cfg: DictConfig, hydra_cfg) -> None:
+    """`.hydra/` (config.yaml, hydra.yaml, overrides.yaml) as Hydra writes it, but only once the
+    job is accepted: Hydra's own copy is off (hydra.output_subdir=null), since it would rewrite
+    the files of the run a refused job found in its directory."""
+    folder = Path(output_dir) / ".hydra"
+    folder.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, folder / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), folder / "hydra.yaml")
+    OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)), folder / "overrides.yaml")
 
 
 def _how_to_continue(output_dir: str) -> str:

@@ -394,11 +394,35 @@ def save_checkpoint(
             prune_checkpoints(directory, keep)
     except (Exception, CheckpointException) as err:  # DCP wraps each rank's OSError
         raise CheckpointWriteError(
-            f"could not write checkpoint {partial}: {_root_cause(err)}. Free space or fix "
-            "permissions there; the incomplete directory is never read by resume"
+            f"could not write checkpoint {partial}: {_root_cause(err, directory)}. Free space or "
+            "fix permissions there; the incomplete directory is never read by resume"
         ) from None
     collectives.barrier()
     return final
+
+
+SET_ASIDE_DIR = "set_aside"
+
+
+def set_aside_newer(directory: Path, step: int) -> list[Path]:
+    """A resume from step N starts a new timeline: the checkpoints of the abandoned one past N
+    (damaged ones included) move to `set_aside/from_step_N-<time>/`, kept for a look, never
+    resumed by `auto` and not counted by `trainer.checkpoint_keep`. Returns where they went."""
+    newer = [
+        entry
+        for entry in (directory.iterdir() if directory.is_dir() else [])
+        if (match := _NAME.match(entry.name)) and int(match.group(1)) > step
+    ]
+    if not newer:
+        return []
+    target = directory / SET_ASIDE_DIR / f"from_step_{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    target.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for entry in sorted(newer):
+        os.replace(entry, target / entry.name)
+        moved.append(target / entry.name)
+    _fsync_directory(directory)
+    return moved
 
 
 def prune_checkpoints(directory: Path, keep: int) -> None:
@@ -426,17 +450,34 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def _root_cause(err: BaseException) -> str:
-    """The first OSError inside DCP's per-rank failures, else the error itself."""
+def _root_cause(err: BaseException, directory: Path | None = None) -> str:
+    """The first OSError inside DCP's per-rank failures, else the error itself. torch's file
+    writer reports a short write (a full disk) as `unexpected pos N vs M`, without the errno:
+    that is said as what it is, with the free space where the checkpoint was being written."""
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict):
         for failure in failures.values():
             cause = failure[0] if isinstance(failure, tuple) else failure
             if isinstance(cause, BaseException):
-                return _root_cause(cause)
+                return _root_cause(cause, directory)
     seen = err
     while seen is not None:
         if isinstance(seen, OSError):
             return str(seen)
         seen = seen.__cause__ or seen.__context__
+    short_write = re.search(r"unexpected pos \d+ vs \d+", str(err))
+    if short_write and directory is not None:
+        import errno
+
+        free = shutil.disk_usage(_existing(directory)).free
+        said = f"a short write: torch says '{short_write.group(0)}'; {free} bytes free there"
+        if free < 64 << 20:
+            return f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} ({said})"
+        return f"{said} (a quota, or a failing device?)"
     return f"{type(err).__name__}: {err}"
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

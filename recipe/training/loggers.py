@@ -4,7 +4,9 @@ Only the main rank writes; every other rank gets a logger whose methods do nothi
 loop never branches on rank. wandb is optional at run time (`logger.wandb.mode=disabled`) and is
 always finished, even when training fails.
 
-metrics.jsonl is only ever appended to. A resumed run first appends a marker line,
+metrics.jsonl is only ever appended to. Its first line names the run, `{"run": {"id": ...}}`: the
+identity every checkpoint of the run also carries, so a resume can tell its own run directory from
+another run's. A resumed run first appends a marker line,
 `{"resumed": {"from_step": N, ...}}`: the records after it replace those of steps after N before
 it (the steps the interrupted run took past its last checkpoint). `effective_records` applies
 that rule for every reader. A write that fails (a full disk) is undone to the last whole line and
@@ -27,6 +29,7 @@ SUMMARY_FILE = "summary.json"
 
 
 RESUMED = "resumed"
+RUN = "run"
 
 
 class OutputWriteError(RecipeError, OSError):
@@ -42,7 +45,18 @@ class NullLogger:
     def log_summary(self, summary: dict) -> None:
         pass
 
-    def log_resume(self, step: int, history: list[dict], checkpoint, changes: list[str]) -> None:
+    def log_resume(
+        self,
+        step: int,
+        history: list[dict],
+        checkpoint,
+        changes: list[str],
+        run_id: str = "",
+        set_aside: list = (),
+    ) -> None:
+        pass
+
+    def log_start(self, run_id: str) -> None:
         pass
 
     def close(self) -> None:
@@ -113,9 +127,23 @@ class RunLogger(NullLogger):
                 "of whole lines (free space there and resume with trainer.resume=auto)"
             ) from None
 
-    def log_resume(self, step: int, history: list[dict], checkpoint, changes: list[str]) -> None:
-        """Mark where a resumed run takes over. A new run directory first gets the checkpoint's
-        own records, so each run directory holds the whole curve."""
+    def log_start(self, run_id: str) -> None:
+        """Name the run in the first line of a new metrics.jsonl (a directory that already has
+        lines keeps its own first line)."""
+        if self._metrics is not None and (self.output_dir / METRICS_FILE).stat().st_size == 0:
+            self._append([{RUN: {"id": run_id}}])
+
+    def log_resume(
+        self,
+        step: int,
+        history: list[dict],
+        checkpoint,
+        changes: list[str],
+        run_id: str = "",
+        set_aside: list = (),
+    ) -> None:
+        """Mark where a resumed run takes over. A new run directory first gets the run's name
+        and the checkpoint's own records, so each run directory holds the whole curve."""
         if self._metrics is None:
             return
         path = self.output_dir / METRICS_FILE
@@ -127,9 +155,11 @@ class RunLogger(NullLogger):
                 "from_step": step,
                 "checkpoint": None if checkpoint is None else str(checkpoint),
                 "changed": changes,
+                "set_aside": [str(p) for p in set_aside],
             }
         }
-        self._append(([] if size else list(history)) + [marker])
+        head = [{RUN: {"id": run_id}}, *history] if not size else []
+        self._append(head + [marker])
 
     def log_step(self, metrics: dict) -> None:
         self._append([metrics])
@@ -175,6 +205,8 @@ def effective_records(records: list[dict]) -> list[dict]:
     of steps after its `from_step` that came before it."""
     out: list[dict] = []
     for record in records:
+        if RUN in record and "step" not in record:
+            continue
         if RESUMED in record:
             from_step = record[RESUMED]["from_step"]
             out = [r for r in out if r["step"] <= from_step]
@@ -198,6 +230,21 @@ def parse_metrics_lines(lines: list[str]) -> tuple[list[dict], list[int]]:
                 continue
             raise ValueError(f"line {number} is not JSON: {err}") from err
     return effective_records(records), cut
+
+
+def run_id_in(run_dir: str | Path) -> str | None:
+    """The id of the run whose metrics a run directory holds (its first line), or None (no
+    metrics, or written before runs had ids)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return None
+    with open(path) as f:
+        first = f.readline()
+    try:
+        record = json.loads(first)
+    except json.JSONDecodeError:
+        return None
+    return record.get(RUN, {}).get("id") if isinstance(record, dict) else None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

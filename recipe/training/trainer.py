@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -52,6 +53,7 @@ from recipe.training.checkpoint import (
     resolve_resume,
     resume_differences,
     save_checkpoint,
+    set_aside_newer,
 )
 from recipe.training.guard import StepGuard
 from recipe.training.loggers import NullLogger, RunLogger
@@ -118,6 +120,8 @@ class Trainer:
         self.history: list[dict] = []
         """metrics.jsonl records of the steps taken."""
         self.checkpoint_dir = Path(cfg.output_dir) / CHECKPOINTS_DIR if cfg.output_dir else None
+        # the run's identity: new for a fresh run, the checkpoint's when resumed
+        self.run_id = uuid.uuid4().hex[:16]
         # the input files as this run read them, recorded in every checkpoint's manifest
         self.inputs = data_fingerprint(cfg.data) if self.checkpoint_dir else {}
         self.guard = StepGuard.from_config(cfg.trainer)
@@ -365,6 +369,7 @@ class Trainer:
             tensors = full_state(self.model, self.optimizer, self.tp_group)
         manifest = {
             "format": FORMAT_VERSION,
+            "run_id": self.run_id,
             "step": self.step,
             "data": self.steps.state_dict(),
             "history": self.history,
@@ -395,6 +400,7 @@ class Trainer:
             checkpoint, self.model, self.optimizer, self.layout.tp_rank, self.layout.tp_size
         )
         self.steps.load_state_dict(manifest["data"])
+        self.run_id = manifest.get("run_id", self.run_id)
         self.step = int(manifest["step"])
         self.history = list(manifest["history"])
         self.guard.rebuild(self.history)
@@ -547,7 +553,16 @@ def train(cfg: TrainConfig) -> dict:
                 cfg, cfg.output_dir, cfg.trainer.max_steps, first_step=trainer.step
             )
             if cfg.trainer.resume is not None:
-                logger.log_resume(trainer.step, trainer.history, checkpoint, changes)
+                moved = []
+                if checkpoint is not None and trainer.checkpoint_dir is not None:
+                    moved = set_aside_newer(trainer.checkpoint_dir, trainer.step)
+                    for path in moved:
+                        _log.warning(f"set aside {path}: a later step of the abandoned timeline")
+                logger.log_resume(
+                    trainer.step, trainer.history, checkpoint, changes, trainer.run_id, moved
+                )
+            else:
+                logger.log_start(trainer.run_id)
         try:
             return trainer.train()
         except Preempted as err:
