@@ -188,3 +188,25 @@ def test_the_root_failure_is_reported_first_even_when_a_peer_is_noticed_first():
     # No recorded error at all (killed before writing one) ranks after a recorded one.
     text = _describe_failures({0: failure(-15, "no error file"), 1: failure(1, injected, 5)})
     assert text.startswith("rank 1 failed")
+
+
+def test_a_recipe_error_in_a_rank_is_reported_once_without_its_traceback():
+    """A rank's own error (a full disk, a config error) already names the problem and the fix;
+    any other exception keeps its traceback, which is what finds a bug."""
+    from types import SimpleNamespace
+
+    from recipe.launch.local import _describe_failures, recipe_error_line
+
+    stack = (
+        'Traceback (most recent call last):\n  File "x.py", line 1, in f\n'
+        "recipe.training.checkpoint.CheckpointWriteError: could not write checkpoint c: full\n"
+    )
+    ours = {"message": "CheckpointWriteError: could not write checkpoint c: full",
+            "extraInfo": {"py_callstack": stack}}  # fmt: skip
+    assert recipe_error_line(stack) == "CheckpointWriteError: could not write checkpoint c: full"
+    text = _describe_failures({1: SimpleNamespace(exitcode=1, message=ours, timestamp=0)})
+    assert text.endswith(": CheckpointWriteError: could not write checkpoint c: full")
+    assert "Traceback" not in text and text.count("could not write") == 1
+    theirs = stack.replace("recipe.training.checkpoint.CheckpointWriteError", "KeyError")
+    assert recipe_error_line(theirs) is None
+    assert recipe_error_line(stack.replace("CheckpointWriteError", "Nope")) is None

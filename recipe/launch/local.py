@@ -7,6 +7,7 @@ user sees the real error instead of a hang or a wall of launcher output.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 
@@ -80,6 +81,11 @@ def launch_world(cfg: TrainConfig, entrypoint=_worker) -> dict:
         start_method="spawn",
         signals_to_handle=FORWARDED_SIGNALS,
     )
+    # torch elastic logs every failed rank's traceback at ERROR; the recipe reports the root
+    # failure itself (RanksFailed), once
+    elastic_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = elastic_log.level
+    elastic_log.setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(launch_cfg, entrypoint=entrypoint)(cfg)
     except ChildFailedError as err:
@@ -89,6 +95,8 @@ def launch_world(cfg: TrainConfig, entrypoint=_worker) -> dict:
         raise RanksFailed(_describe_failures(err.failures)) from None
     except SignalException as err:  # the agent has already ended the ranks
         raise RanksStopped(err.sigval) from None
+    finally:
+        elastic_log.setLevel(level)
     return results[0]
 
 
@@ -153,13 +161,37 @@ def _describe_failures(failures: dict) -> str:
     ordered = sorted(failures.items(), key=secondary)
     (rank, failure), others = ordered[0], ordered[1:]
     host = socket.gethostname()  # self-launched ranks all run on this machine
-    lines = [
-        f"rank {rank} failed (exit code {failure.exitcode}) on {host}:\n{_failure_text(failure)}"
-    ]
+    text = _failure_text(failure)
+    said = recipe_error_line(text)
+    if said:  # the recipe's own error already names the problem and the fix: no traceback
+        return f"rank {rank} failed (exit code {failure.exitcode}) on {host}: {said}"
+    lines = [f"rank {rank} failed (exit code {failure.exitcode}) on {host}:\n{text}"]
     for other_rank, other in others:
         last = (_failure_text(other).strip().splitlines() or ["(no error recorded)"])[-1]
         lines.append(f"(also failed: rank {other_rank}, exit code {other.exitcode}: {last})")
     return "\n".join(lines)
+
+
+def recipe_error_line(traceback_text: str) -> str | None:
+    """`Name: message` when a rank's recorded traceback ends in one of the recipe's own errors
+    (a RecipeError: a full disk, a config error, a non-finite step), else None."""
+    import importlib
+
+    # The traceback's exception line names the class with its module (the recorded message
+    # after it repeats it without): the last line that starts with `recipe.`.
+    for line in reversed(traceback_text.strip().splitlines()):
+        qualified, sep, message = line.partition(": ")
+        module, _, name = qualified.rpartition(".")
+        if not sep or not module.startswith("recipe.") or " " in qualified:
+            continue
+        try:
+            error = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return None
+        if isinstance(error, type) and issubclass(error, RecipeError):
+            return f"{name}: {message}"
+        return None
+    return None
 
 
 class RanksFailed(RecipeError, RuntimeError):

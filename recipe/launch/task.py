@@ -10,6 +10,7 @@ which rank and host it is: each writes to its own log, and the first error is ra
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -60,6 +61,9 @@ def run(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
 
     quiet_libraries()
+    # A log line that cannot be written (the run directory's disk is full) is dropped, not
+    # followed by logging's own traceback: the error it was about is reported on the console.
+    logging.raiseExceptions = False
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN"
     env = adopt_environment()
