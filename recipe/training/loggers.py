@@ -45,15 +45,7 @@ class NullLogger:
     def log_summary(self, summary: dict) -> None:
         pass
 
-    def log_resume(
-        self,
-        step: int,
-        history: list[dict],
-        checkpoint,
-        changes: list[str],
-        run_id: str = "",
-        set_aside: list = (),
-    ) -> None:
+    def log_resume(self, *args, **kwargs) -> None:  # see RunLogger.log_resume
         pass
 
     def log_start(self, run_id: str) -> None:
