@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml $(LOCK)
 		echo "creating $(VENV) with $$PY (STACK=$(STACK))"; rm -rf $(VENV); "$$PY" -m venv $(VENV) || exit 1; \
 	fi
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=23"
-	$(BIN)/python -m pip install --quiet -c $(LOCK) -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -c $(LOCK) -e ".[dev,docs]"
 	touch $(STAMP)
 
 train: $(STAMP)
