@@ -122,8 +122,9 @@ class Trainer:
         self.checkpoint_dir = Path(cfg.output_dir) / CHECKPOINTS_DIR if cfg.output_dir else None
         # the run's identity: new for a fresh run, the checkpoint's when resumed
         self.run_id = uuid.uuid4().hex[:16]
-        # the input files as this run read them, recorded in every checkpoint's manifest
-        self.inputs = data_fingerprint(cfg.data) if self.checkpoint_dir else {}
+        # the input files as this run read them, recorded in every checkpoint's manifest (which
+        # only the main rank writes: the others do not hash the data)
+        self.inputs = data_fingerprint(cfg.data) if self.checkpoint_dir and layout.is_main else {}
         self.guard = StepGuard.from_config(cfg.trainer)
         """Judges each step before its update (non-finite values, spikes)."""
         self.stop_reason: str | None = None

@@ -34,7 +34,6 @@ from recipe.names import CP_PREPROCESS
 from recipe.parallel.cp.zigzag import zigzag_index
 
 FIELDS = ("input_ids", "position_ids", "labels", "loss_mask")
-BUILT_IN = CP_PREPROCESS
 PAD_ID = 0
 
 
@@ -80,12 +79,13 @@ def _number(value: float):
 
 def load_function(spec: str) -> Callable:
     """A built-in name (index, verl_fixed, verl_legacy) or `package.module:function`."""
-    if spec in BUILT_IN:
+    if spec in CP_PREPROCESS:
         return built_in(spec)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(
-            f"{spec!r} is neither a built-in ({', '.join(BUILT_IN)}) nor package.module:function"
+            f"{spec!r} is neither a built-in ({', '.join(CP_PREPROCESS)}) nor "
+            "package.module:function"
         )
     try:
         module = importlib.import_module(module_name)
