@@ -210,17 +210,42 @@ def launched_world_problem(env: ProcessEnvironment, tp: int, cp: int, dp: int) -
     )
 
 
-def gpu_index(local_rank: int, local_world_size: int, visible_gpus: int) -> int:
+GPU_SHARING_VARIABLE = "RECIPE_GPU_SHARING"
+GPU_SHARING_MODES = ("off", "nccl", "gloo")
+"""How several ranks share one GPU, a diagnostic for machines with fewer GPUs than ranks
+(`scripts/gpu_check.py`'s cp2_one_gpu): off (one rank per GPU, NCCL), nccl (NCCL's own mode for
+several ranks per GPU, NCCL >= 2.30, which NCCL_MULTI_RANK_GPU_ENABLE=1 turns on) or gloo
+(gloo collectives; the recipe stages the all-gathers gloo cannot run on CUDA through the host).
+Never for speed: only to run a CP layout's arithmetic on a GPU where there is one GPU."""
+
+
+def gpu_sharing(environ: Mapping[str, str] = os.environ) -> str:
+    """The GPU-sharing mode the environment asks for (see GPU_SHARING_MODES)."""
+    mode = environ.get(GPU_SHARING_VARIABLE, "off") or "off"
+    if mode not in GPU_SHARING_MODES:
+        raise ConfigError(
+            f"{GPU_SHARING_VARIABLE}={mode!r} is not a GPU-sharing mode; use one of "
+            f"{', '.join(GPU_SHARING_MODES)} (or leave it unset)"
+        )
+    return mode
+
+
+def gpu_index(
+    local_rank: int, local_world_size: int, visible_gpus: int, sharing: str = "off"
+) -> int:
     """Which of the GPUs this process sees is its own.
 
     Without per-task binding every rank of a node sees all of them and takes the one of its
     local rank; a site that binds one GPU per task (srun --gpus-per-task=1, --gpu-bind) shows
-    each rank only its own, as index 0, whatever its local rank.
+    each rank only its own, as index 0, whatever its local rank. With GPU sharing on, ranks take
+    the visible GPUs in turn.
     """
     if visible_gpus >= local_world_size:
         return local_rank
     if visible_gpus == 1:
         return 0
+    if sharing != "off":
+        return local_rank % visible_gpus
     raise ConfigError(
         f"local rank {local_rank} of {local_world_size} ranks on this node sees {visible_gpus} "
         "GPUs: give every rank one GPU (srun --gpus-per-task=1) or every rank all of the node's "
@@ -242,6 +267,14 @@ def compute_device(local_rank: int, local_world_size: int = 1):
     import torch
 
     if cuda_available():
-        index = gpu_index(local_rank, local_world_size, torch.cuda.device_count())
+        index = gpu_index(local_rank, local_world_size, torch.cuda.device_count(), gpu_sharing())
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def collective_backend(device_type: str, sharing: str) -> str:
+    """torch.distributed's backend for ranks computing on `device_type`: NCCL on GPUs (also in
+    NCCL's own GPU-sharing mode), gloo on the CPU and where GPU sharing asks for gloo."""
+    if device_type == "cuda" and sharing != "gloo":
+        return "nccl"
+    return "gloo"

@@ -17,12 +17,15 @@ from recipe.compare.diff import compare
 from recipe.compare.runs import load_run
 from recipe.config import ConfigError
 from recipe.environment import (
+    collective_backend,
     first_host,
     gpu_index,
+    gpu_sharing,
     launched_world_problem,
     port_for_job,
     read_environment,
 )
+from recipe.parallel.collectives import needs_host_staging
 from recipe.training.loggers import effective_records, read_metrics
 from tests.helpers.cli import RANK_VARIABLES, run_train_cli
 from tests.helpers.config import ROOT, TINY
@@ -93,6 +96,41 @@ def test_slurm_node_lists_ports_and_gpus_under_per_task_binding():
     assert [gpu_index(r, 8, visible_gpus=1) for r in (0, 5)] == [0, 0]
     with pytest.raises(ConfigError, match=r"sees 2 GPUs: give every rank one GPU"):
         gpu_index(3, 4, visible_gpus=2)
+
+
+def test_gpu_sharing_places_ranks_in_turn_and_picks_the_collective_backend():
+    """GPU sharing (scripts/gpu_check.py's cp2_one_gpu): ranks take the GPUs in turn; NCCL stays
+    the backend in NCCL's own sharing mode, gloo where asked, gloo on the CPU always."""
+    assert [gpu_index(r, 4, visible_gpus=2, sharing="gloo") for r in range(4)] == [0, 1, 0, 1]
+    assert gpu_sharing({}) == "off"
+    assert gpu_sharing({"RECIPE_GPU_SHARING": "nccl"}) == "nccl"
+    with pytest.raises(ConfigError, match=r"RECIPE_GPU_SHARING='ncl' is not .* off, nccl, gloo"):
+        gpu_sharing({"RECIPE_GPU_SHARING": "ncl"})
+    assert collective_backend("cuda", "off") == collective_backend("cuda", "nccl") == "nccl"
+    assert collective_backend("cuda", "gloo") == collective_backend("cpu", "off") == "gloo"
+    # gloo all-gathers only CPU tensors: CUDA ones on a gloo group go through the host
+    assert needs_host_staging("cuda", "gloo")
+    assert not needs_host_staging("cuda", "nccl") and not needs_host_staging("cpu", "gloo")
+
+
+def test_determinism_switches_both_ways(monkeypatch):
+    """A job without determinism after one with it (gpu_check's parts, a multirun) must give
+    Transformer Engine its non-deterministic kernels back."""
+    import torch
+
+    from recipe.model.numerics import apply_determinism
+
+    monkeypatch.delenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        apply_determinism(True)
+        assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0"
+        assert torch.are_deterministic_algorithms_enabled()
+        apply_determinism(False)
+        assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "1"
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=True)
 
 
 def test_a_launched_world_of_the_wrong_size_names_the_launch_that_fits():

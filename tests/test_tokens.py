@@ -242,8 +242,8 @@ def test_an_attention_mask_that_leaks_across_sequences_parts_at_core_attention(
     run(tmp_path / "right")
     correct = attention.varlen_causal_attention
 
-    def leaky(query, key, value, cu_seqlens_padded, *args, **kwargs):
-        whole = cu_seqlens_padded[[0, -1]]
+    def leaky(query, key, value, cu_seqlens_padded, *args, layout=None, **kwargs):
+        whole = cu_seqlens_padded[[0, -1]]  # and the layout of the real boundaries dropped
         return correct(query, key, value, whole, *args, **kwargs)
 
     monkeypatch.setattr(attention, "varlen_causal_attention", leaky)

@@ -14,7 +14,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from recipe.config import ConfigError, TrainConfig
-from recipe.environment import cuda_available
+from recipe.environment import cuda_available, gpu_sharing
 from recipe.errors import RecipeError
 from recipe.log import quiet_libraries
 
@@ -39,13 +39,19 @@ def _worker(cfg: TrainConfig) -> dict:
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
 
+RANKS_PER_SHARED_GPU = 8
+"""With GPU sharing on (a diagnostic, see recipe.environment.GPU_SHARING_MODES)."""
+
+
 def max_local_ranks() -> int:
-    """How many ranks one machine may start: one per GPU, or a few per CPU core (gloo ranks
-    share cores; beyond this the job would crawl, which usually means a typo in cp or dp)."""
+    """How many ranks one machine may start: one per GPU (a few with GPU sharing on), or a few
+    per CPU core (gloo ranks share cores; beyond this the job would crawl, which usually means a
+    typo in cp or dp)."""
     import torch
 
     if cuda_available():
-        return torch.cuda.device_count()
+        shared = gpu_sharing() != "off"
+        return torch.cuda.device_count() * (RANKS_PER_SHARED_GPU if shared else 1)
     return max(8, 4 * (os.cpu_count() or 1))
 
 

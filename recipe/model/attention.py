@@ -10,6 +10,8 @@ micro-batch (fine for a correctness tool; Transformer Engine's ring attention is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
@@ -29,6 +31,46 @@ def _sequence_bounds(packed_seq_params) -> torch.Tensor:
     return packed_seq_params.cu_seqlens_q if cu is None else cu
 
 
+@dataclass(frozen=True)
+class StreamLayout:
+    """What every attention layer of one micro-batch needs to know about its packed stream."""
+
+    bounds: list[int]
+    """The global padded boundaries, on the host (the per-sequence slicing reads them)."""
+    local_positions: torch.Tensor | None
+    """cp > 1: the global position of each of this rank's tokens (the zigzag index)."""
+    gathered_order: torch.Tensor | None
+    """cp > 1: where each global token sits in the rank-major all-gather."""
+
+
+def stream_layout(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> StreamLayout:
+    """Computed from the boundaries; their copy to the host is a device synchronisation."""
+    if cp_size == 1:
+        return StreamLayout(cu_seqlens_padded.tolist(), None, None)
+    return StreamLayout(
+        cu_seqlens_padded.tolist(),
+        zigzag_index(cu_seqlens_padded, cp_size, cp_rank).to(cu_seqlens_padded.device),
+        global_to_gathered_index(cu_seqlens_padded, cp_size),
+    )
+
+
+_LAYOUT_ATTRIBUTE = "_recipe_stream_layouts"
+
+
+def micro_batch_layout(packed_seq_params, cp_size: int, cp_rank: int) -> StreamLayout:
+    """The stream layout of a micro-batch, computed by its first attention layer and kept on its
+    PackedSeqParams, which megatron hands unchanged to every layer and MTP depth: the host copy
+    and index arithmetic happen once per micro-batch instead of once per layer. Keyed by the
+    boundary tensor itself, so a PackedSeqParams re-pointed at other boundaries recomputes."""
+    cu = _sequence_bounds(packed_seq_params)
+    cached = getattr(packed_seq_params, _LAYOUT_ATTRIBUTE, None)
+    if cached is not None and cached[0] is cu and cached[1] == (cp_size, cp_rank):
+        return cached[2]
+    layout = stream_layout(cu, cp_size, cp_rank)
+    setattr(packed_seq_params, _LAYOUT_ATTRIBUTE, (cu, (cp_size, cp_rank), layout))
+    return layout
+
+
 def varlen_causal_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -37,12 +79,14 @@ def varlen_causal_attention(
     cp_size: int = 1,
     cp_rank: int = 0,
     softmax_scale: float | None = None,
+    layout: StreamLayout | None = None,
 ) -> torch.Tensor:
     """Causal attention within each sequence of a packed stream.
 
     query: this rank's tokens `[t_local, heads, dim]` (zigzag order when cp_size > 1);
     key/value: the FULL stream in global order `[t_global, groups, dim]`.
-    Returns `[t_local, heads * dim]`.
+    Returns `[t_local, heads * dim]`. `layout`, when given, is `stream_layout` of the same
+    boundaries (so that layers after the first do not synchronise to read them again).
     """
     heads, groups = query.shape[1], key.shape[1]
     if heads % groups:
@@ -50,9 +94,10 @@ def varlen_causal_attention(
     if heads != groups:
         key = key.repeat_interleave(heads // groups, dim=1)
         value = value.repeat_interleave(heads // groups, dim=1)
-    bounds = cu_seqlens_padded.tolist()
+    layout = layout or stream_layout(cu_seqlens_padded, cp_size, cp_rank)
+    bounds = layout.bounds
     if cp_size > 1:
-        local_global_pos = zigzag_index(cu_seqlens_padded, cp_size, cp_rank).to(query.device)
+        local_global_pos = layout.local_positions.to(query.device)
     outputs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         q_start, q_end = start // cp_size, end // cp_size
@@ -75,12 +120,18 @@ def varlen_causal_attention(
 
 
 def gather_global_stream(
-    local: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_group
+    local: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    cp_group,
+    gathered_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """All-gather a per-token tensor over CP and undo the zigzag (differentiable)."""
-    cp_size = torch.distributed.get_world_size(cp_group)
+    """All-gather a per-token tensor over CP and undo the zigzag (differentiable).
+    `gathered_order`: `global_to_gathered_index` of the boundaries, when already at hand."""
+    if gathered_order is None:
+        cp_size = torch.distributed.get_world_size(cp_group)
+        gathered_order = global_to_gathered_index(cu_seqlens_padded, cp_size)
     gathered = all_gather_with_sum_backward(local, cp_group)  # rank-major concatenation
-    return gathered.index_select(0, global_to_gathered_index(cu_seqlens_padded, cp_size))
+    return gathered.index_select(0, gathered_order.to(local.device))
 
 
 class PackedCausalAttention(MegatronModule):
@@ -117,10 +168,12 @@ class PackedCausalAttention(MegatronModule):
         if self.cp_group is not None and torch.distributed.get_world_size(self.cp_group) > 1:
             cp_size = torch.distributed.get_world_size(self.cp_group)
             cp_rank = torch.distributed.get_rank(self.cp_group)
-            key = gather_global_stream(key, cu_padded, self.cp_group)
-            value = gather_global_stream(value, cu_padded, self.cp_group)
+        layout = micro_batch_layout(packed_seq_params, cp_size, cp_rank)
+        if cp_size > 1:
+            key = gather_global_stream(key, cu_padded, self.cp_group, layout.gathered_order)
+            value = gather_global_stream(value, cu_padded, self.cp_group, layout.gathered_order)
         return varlen_causal_attention(
-            query, key, value, cu_padded, cp_size, cp_rank, self.softmax_scale
+            query, key, value, cu_padded, cp_size, cp_rank, self.softmax_scale, layout=layout
         )
 
 

@@ -114,7 +114,7 @@ def install_exact_mtp_scaling() -> None:
 
 
 def mtp_layer_backward_scales(
-    global_layer_counts: list[int],
+    global_layer_counts: list[int] | torch.Tensor,
     local_lm_count: torch.Tensor,
     local_layer_counts: torch.Tensor,
 ) -> torch.Tensor:
@@ -123,10 +123,11 @@ def mtp_layer_backward_scales(
 
     `local_lm_count` is the micro-batch's loss-mask count on this rank (megatron's
     `original_num_tokens`), `local_layer_counts` each layer's count (`num_tokens`). A layer with no
-    target anywhere gets 0. Stays on the counts' device: no host synchronisation.
+    target anywhere gets 0. Given the global counts as a tensor on the counts' device (the
+    trainer copies them once per step), nothing here waits for the host.
     """
     device = local_layer_counts.device
-    counts = torch.tensor(global_layer_counts, dtype=torch.float64, device=device)
+    counts = torch.as_tensor(global_layer_counts, dtype=torch.float64, device=device)
     scales = torch.where(counts > 0, 1.0 / counts.clamp(min=1), torch.zeros_like(counts))
     if mtp_loss_has_local_token_ratio():
         # megatron multiplies by local_lm / clamp(local_k, 1); multiply by its inverse.
@@ -140,7 +141,7 @@ def mtp_layer_backward_scales(
 def prepare_mtp_backward(
     scaling: str,
     global_lm_count: int,
-    global_layer_counts: list[int],
+    global_layer_counts: list[int] | torch.Tensor,
     local_lm_count: torch.Tensor,
     local_layer_counts: torch.Tensor,
 ) -> None:

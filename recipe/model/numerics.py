@@ -53,8 +53,10 @@ def check_backend_and_precision(backend: str, precision: str, cuda: bool) -> Non
 
 
 def apply_determinism(enabled: bool) -> None:
-    """Set the process-wide determinism switches (megatron's own is set in its config)."""
+    """Set the process-wide determinism switches (megatron's own is set in its config). Both
+    ways: a process that ran a deterministic job before (gpu_check's parts, a multirun) must not
+    keep Transformer Engine off its non-deterministic kernels for a job that wants speed."""
+    os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0" if enabled else "1"
     if enabled:
-        os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(enabled, warn_only=True)

@@ -49,6 +49,21 @@ def all_reduce_sequence_parallel_gradients(parameters, tp_group) -> None:
         all_reduce_gradients(shared, tp_group)
 
 
+def needs_host_staging(device_type: str, backend: str) -> bool:
+    """gloo all-gathers only CPU tensors (it reduces CUDA ones): a CUDA tensor on a gloo group,
+    which only GPU sharing in gloo mode creates, goes through the host."""
+    return device_type == "cuda" and backend == "gloo"
+
+
+def _all_gather_parts(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's `tensor` (same shape on all), in group-rank order, on `tensor`'s device."""
+    staged = needs_host_staging(tensor.device.type, str(dist.get_backend(group)))
+    source = tensor.detach().cpu() if staged else tensor
+    parts = [torch.empty_like(source) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, source.contiguous(), group=group)
+    return [part.to(tensor.device) for part in parts] if staged else parts
+
+
 class _AllGatherSumBackward(torch.autograd.Function):
     """All-gather along dim 0; backward sums the gradient over the group, keeps this rank's slice.
 
@@ -61,9 +76,7 @@ class _AllGatherSumBackward(torch.autograd.Function):
         ctx.group = group
         ctx.rank = dist.get_rank(group)
         ctx.rows = tensor.shape[0]
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.cat(parts, dim=0)
+        return torch.cat(_all_gather_parts(tensor, group), dim=0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -81,9 +94,7 @@ def all_gather_along(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     """The group's shards of `tensor` joined along `dim`, in group-rank order (no autograd)."""
     if dist.get_world_size(group) == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(_all_gather_parts(tensor, group), dim=dim)
 
 
 def max_over_ranks(value: int, device: torch.device, group=None) -> int:

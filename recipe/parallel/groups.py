@@ -13,7 +13,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from recipe.environment import ProcessEnvironment, read_environment
+from recipe.environment import (
+    ProcessEnvironment,
+    collective_backend,
+    gpu_sharing,
+    read_environment,
+)
 from recipe.parallel.layout import ParallelDims, ParallelLayout
 
 
@@ -49,7 +54,11 @@ def init_distributed(
         device = env.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        sharing = gpu_sharing()
+        backend = collective_backend(device.type, sharing)
+        if device.type == "cuda" and sharing == "nccl":
+            # read by NCCL when the communicator is created; refused by NCCL before 2.30
+            os.environ.setdefault("NCCL_MULTI_RANK_GPU_ENABLE", "1")
         timeout = timedelta(seconds=timeout_s)
         if env.external:
             _join_external_world(backend, timeout, env)

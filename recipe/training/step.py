@@ -50,6 +50,9 @@ class StepWork:
     """Real length of every sequence of the step (all ranks)."""
     samples: list[list[int]] | None = None
     """Per micro-batch of this rank: the step-level index of each of its sequences."""
+    global_mtp_counts: torch.Tensor | None = None
+    """`global_mtp_tokens` on the model's device (float64), copied there once per step with the
+    micro-batches, so that the per-micro-batch MTP scaling never waits on a host copy."""
 
     @property
     def report_names(self) -> list[str]:
@@ -112,6 +115,9 @@ def plan_step(
         global_mtp_tokens=mtp_targets,
         lengths=lengths,
         samples=[[mine[j] for j in micro] for micro in plans[layout.dp_rank]],
+        global_mtp_counts=(
+            torch.tensor(mtp_targets, dtype=torch.float64).to(device) if mtp_targets else None
+        ),
     )
 
 

@@ -277,7 +277,7 @@ class Trainer:
                 prepare_mtp_backward(
                     self.cfg.mtp.scaling,
                     work.global_predicted_tokens,
-                    work.global_mtp_tokens,
+                    work.global_mtp_counts,
                     batch.loss_mask.sum(),
                     batch.mtp_mask.sum(-1),
                 )
