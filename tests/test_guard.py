@@ -268,6 +268,7 @@ def test_the_old_default_spikes_at_step_18_and_stop_exits_1(tmp_path):
         [sys.executable, str(ROOT / "train.py"), "trainer.max_steps=20"]
         + ["model.init_method_std=0.02", "trainer.progress_bar=false"]
         + ["trainer.loss_spike.action=stop", "trainer.loss_spike.factor=3"]
+        + ["logger.wandb.mode=disabled"]  # wandb is not on the GPU image (STACK=image)
         + [f"hydra.run.dir={tmp_path / 'run'}"],
         env=env,
         capture_output=True,
