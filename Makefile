@@ -51,7 +51,7 @@ $(STAMP): $(STAMP_DEPS)
 ifeq ($(STACK),image)
 KIT := $(VENV)/gpu_kit
 KIT_SITE := $(VENV)/kit-site
-RUN := PYTHONPATH=$(KIT_SITE):. $(BIN)/python
+RUN := PYTHONPATH=$(CURDIR)/$(KIT_SITE):$(CURDIR) $(BIN)/python
 # The tests an image runs: every test that starts no process (those that need a dev-only tool,
 # hadolint or the submitit launchers, skip there with the reason), less the config composition
 # of test_config.py and test_docs.py (Hydra and omegaconf only, at the current stack's pins: the
