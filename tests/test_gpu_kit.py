@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.config import TINY
+
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / "scripts" / "gpu_kit.sh"
 LIST = ROOT / "scripts" / "gpu_kit.txt"
@@ -53,15 +55,6 @@ IMAGE_PACKAGES = [
     "triton",
 ]
 
-TINY = [
-    "model.num_layers=1",
-    "model.hidden_size=32",
-    "model.num_attention_heads=4",
-    "model.num_query_groups=2",
-    "model.ffn_hidden_size=64",
-    "mtp=on",
-    "logger.wandb.mode=disabled",
-]
 
 # Runs under `python -I -S`: sys.path is exactly the folders given, then the standard library.
 PROBE = """
@@ -171,7 +164,7 @@ def image_packages(tmp_path_factory) -> Path:
 def probe(path: list[Path], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-I", "-S", "-c", PROBE, json.dumps([str(p) for p in path])]
-        + [json.dumps(TINY)],
+        + [json.dumps([*TINY, "mtp=on"])],
         capture_output=True,
         text=True,
         timeout=300,

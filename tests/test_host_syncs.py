@@ -49,34 +49,23 @@ def counting_host_reads(monkeypatch):
 
 
 def _reads_per_micro_batch(monkeypatch, num_layers: int, mtp: bool) -> int:
-    """Host reads during the forward and backward of one planned micro-batch, as the trainer
-    runs it (the model built and the step planned before counting starts)."""
-    from recipe.model.compat import confirm_mtp_backward_taken, prepare_mtp_backward
-    from recipe.training.step import forward_step, loss_func, plan_step
-    from recipe.training.trainer import build_model
+    """Host reads during the trainer's own forward and backward of one planned micro-batch
+    (`Trainer.forward_backward_step`: MTP scaling, forward, loss, backward; the model built and
+    the step planned before counting starts)."""
+    from recipe.data.corpus import load_corpus
+    from recipe.training.step import plan_step
+    from recipe.training.trainer import Trainer
 
     overrides = [f"model.num_layers={num_layers}"] + (["mtp=on"] if mtp else [])
     cfg = typed_config(overrides)
     with lone_world() as layout:
-        model = build_model(cfg, 259)
+        trainer = Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data))
         gen = torch.Generator().manual_seed(0)
         seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (30, 17, 45)]
         work = plan_step(seqs, cfg, layout, pad_id=258, device=torch.device("cpu"))
-        batch = work.micro_batches[0]
+        work.micro_batches = work.micro_batches[:1]
         with counting_host_reads(monkeypatch) as counts:
-            if mtp:
-                prepare_mtp_backward(
-                    "exact",
-                    work.global_predicted_tokens,
-                    work.global_mtp_counts,
-                    batch.loss_mask.sum(),
-                    batch.mtp_mask.sum(-1),
-                )
-            output = forward_step(batch, model, cfg.passes_position_ids)
-            if mtp:
-                confirm_mtp_backward_taken()
-            loss_sum, _, _ = loss_func(batch, output)
-            (loss_sum / work.global_predicted_tokens).backward()
+            trainer.forward_backward_step(work)
         return counts["reads"]
 
 
