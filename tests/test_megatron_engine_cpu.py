@@ -101,24 +101,29 @@ def test_the_type_shim_lasts_only_for_the_call():
 STEPS = 2
 
 
-def _megatron_forward_step(cfg, data_iterator, model):
+def _megatron_forward_step(cfg, rank0_weight, data_iterator, model):
     """Megatron-LM's forward_step contract around the recipe's forward_step and loss_func."""
     from recipe.training.step import forward_step
 
     batch = next(data_iterator)
     output = forward_step(batch, model, cfg.passes_position_ids)
-    return output.per_token_loss, functools.partial(_megatron_loss_func, batch)
+    weight = rank0_weight if torch.distributed.get_rank() == 0 else 1.0
+    return output.per_token_loss, functools.partial(_megatron_loss_func, batch, weight)
 
 
-def _megatron_loss_func(batch, per_token_loss):
-    """(loss_sum, num_tokens, {"lm loss": [sum, count]}): per-token loss, megatron divides."""
+def _megatron_loss_func(batch, weight, per_token_loss):
+    """(loss_sum, num_tokens, {"lm loss": [sum, count]}): per-token loss, megatron divides.
+    `weight` != 1 scales the loss sum the gradient comes from (not the report): the negative
+    control's rank-dependent normalisation bug."""
     from recipe.training.step import LM, ForwardOutput, loss_func
 
     loss_sum, num_tokens, report = loss_func(batch, ForwardOutput(per_token_loss, None))
-    return loss_sum, num_tokens.to(torch.int), {"lm loss": report[LM]}
+    return loss_sum * weight, num_tokens.to(torch.int), {"lm loss": report[LM]}
 
 
-def _engines_on_rank(cfg, distributed_optimizer: bool, overlap_grad_reduce: bool) -> dict:
+def _engines_on_rank(
+    cfg, distributed_optimizer: bool, overlap_grad_reduce: bool, rank0_weight: float = 1.0
+) -> dict:
     """The recipe's Trainer and megatron's engine, STEPS steps each from the same weights on
     the same data on this rank; rank 0's comparison."""
     import inspect
@@ -200,7 +205,7 @@ def _engines_on_rank(cfg, distributed_optimizer: bool, overlap_grad_reduce: bool
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         reports = forward_backward(
-            forward_step_func=functools.partial(_megatron_forward_step, cfg),
+            forward_step_func=functools.partial(_megatron_forward_step, cfg, rank0_weight),
             data_iterator=iter(work.micro_batches),
             model=[ddp],
             num_microbatches=len(work.micro_batches),
@@ -258,3 +263,15 @@ def test_megatron_engine_matches_the_recipe_at_dp2(worlds, distributed_optimizer
     cfg = typed_config(ENGINE_CONFIG)
     result = worlds.run(cfg.world_size, _engines_on_rank, cfg, distributed_optimizer, overlap)
     _check_engines(result)
+
+
+@pytest.mark.distributed
+def test_negative_control_a_rank_weighted_loss_fails_the_engine_comparison(worlds):
+    """Rank 0's tokens weigh twice in the gradient (the report stays honest), the kind of
+    normalisation bug across DP ranks that Megatron-LM #7452 lists: the comparison must fail."""
+    from tests.helpers.config import typed_config
+
+    cfg = typed_config(ENGINE_CONFIG)
+    result = worlds.run(cfg.world_size, _engines_on_rank, cfg, False, False, 2.0)
+    with pytest.raises(AssertionError):
+        _check_engines(result)
