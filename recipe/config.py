@@ -304,7 +304,8 @@ class ParallelConfig:
     """Megatron's sequence parallelism: with tp > 1, activations outside the tensor-parallel
     linears (norms, dropout, residuals) are split along the tokens across tp ranks."""
     pp: int = 1
-    """Pipeline-parallel size: only 1 (see docs/parallelism.md for why)."""
+    """Pipeline-parallel stages (megatron's 1F1B schedule; needs trainer.engine=megatron).
+    model.num_layers must be divisible by it; MTP layers sit on the last stage."""
 
     def __post_init__(self) -> None:
         _require(
@@ -312,13 +313,7 @@ class ParallelConfig:
             "parallel.sequence_parallel=true splits tokens across tensor-parallel ranks and needs "
             "parallel.tp > 1; set parallel.tp=2 or parallel.sequence_parallel=false",
         )
-        _require(
-            self.pp == 1,
-            f"parallel.pp={self.pp}: pipeline parallelism is not supported: the recipe's "
-            "training loop runs micro-batches itself, not megatron-core's pipeline schedule "
-            "(which on CPU/gloo also needs patches: see docs/parallelism.md); use "
-            "parallel.pp=1 with parallel.tp, cp and parallel.dp",
-        )
+        _positive("parallel.pp", self.pp)
 
 
 @dataclass
@@ -462,6 +457,32 @@ class LossSpikeConfig:
         _one_of("trainer.loss_spike.action", self.action, ("warn", "skip_step", "stop"))
 
 
+ENGINES = ("recipe", "megatron")
+
+
+@dataclass
+class MegatronEngineConfig:
+    """megatron-core's own training machinery (trainer.engine=megatron)."""
+
+    calculate_per_token_loss: bool = True
+    """true: megatron sums per-token losses and divides every gradient once by the step's global
+    token count (finalize_model_grads): exact at every layout. false: megatron's other mode, each
+    rank's micro-batch loss divided by ITS token count and by the number of micro-batches, then
+    averaged over dp x cp ranks: the trained model depends on the layout (see docs/megatron.md)."""
+    use_distributed_optimizer: bool = False
+    """Shard the optimizer state (and the gradient reduction) across data-parallel ranks."""
+    overlap_grad_reduce: bool = False
+    """Reduce gradient buckets during backward (megatron DDP)."""
+    average_in_collective: bool = False
+    """Average in the gradient collective instead of pre-scaling (megatron DDP); megatron
+    refuses it with calculate_per_token_loss=true."""
+    sync_mtp_position_embeddings: bool = True
+    """At parallel.pp > 1 with mtp=on and learned absolute positions the last stage keeps its own
+    copy of the position embeddings for the MTP block, whose gradient megatron never sums with
+    the first stage's (docs/megatron.md). true: the recipe sums them after megatron's
+    finalize_model_grads (the pp=1 result); false: megatron as released."""
+
+
 @dataclass
 class TrainerConfig:
     """The training loop."""
@@ -511,9 +532,22 @@ class TrainerConfig:
     <run dir>/trace/step_N.pt, for `python -m recipe.compare.diverge` (small models, tp=1)."""
     requeue: bool = False
     """After the checkpoint that SIGTERM/SIGUSR1 triggers, requeue the SLURM job (scontrol)."""
+    engine: str = "recipe"
+    """recipe: the recipe's own loop (torch AdamW, its gradient all-reduce) | megatron:
+    megatron-core's DistributedDataParallel, get_megatron_optimizer, OptimizerParamScheduler,
+    get_forward_backward_func() schedules (1F1B at parallel.pp > 1) and finalize_model_grads."""
+    megatron: MegatronEngineConfig = field(default_factory=MegatronEngineConfig)
+    """Options of trainer.engine=megatron."""
 
     def __post_init__(self) -> None:
         _one_of("trainer.precision", self.precision, PRECISIONS)
+        _one_of("trainer.engine", self.engine, ENGINES)
+        _require(
+            not (self.megatron.calculate_per_token_loss and self.megatron.average_in_collective),
+            "trainer.megatron.average_in_collective=true averages gradients in the collective, "
+            "which megatron refuses with calculate_per_token_loss=true (it divides by the token "
+            "count instead); set one of them to false",
+        )
         _require(
             self.peak_tflops is None or self.peak_tflops > 0,
             f"trainer.peak_tflops must be > 0 (or null for the device's data sheet), got "
@@ -622,10 +656,22 @@ class TrainConfig:
 
         self._check_tensor_parallel()
         self._check_vision()
+        self._check_pipeline_parallel()
         _require(
             not self.trainer.trace_steps or self.parallel.tp == 1,
             f"trainer.trace_steps needs parallel.tp=1 (a trace keeps whole hidden vectors; at "
             f"tp={self.parallel.tp} each rank holds a slice of some); trace at cp/dp > 1 and tp=1",
+        )
+
+        _require(
+            not (
+                self.trainer.trace_steps
+                and self.trainer.engine == "megatron"
+                and self.trainer.megatron.use_distributed_optimizer
+            ),
+            "trainer.trace_steps with trainer.megatron.use_distributed_optimizer=true: each rank "
+            "then holds the summed gradient of its optimizer shard only, not of every parameter; "
+            "trace with use_distributed_optimizer=false",
         )
 
         if self.cp.comm_type == "a2a" and self.cp.size > 1:
@@ -705,6 +751,32 @@ class TrainConfig:
         side = self.data.shapes.image_size // self.vision.patch_size // self.vision.merge
         return (side, side)
 
+    def _check_pipeline_parallel(self) -> None:
+        """Pipeline stages run only on megatron's engine, and only what it splits evenly."""
+        pp, engine = self.parallel.pp, self.trainer.engine
+        if pp == 1:
+            return
+        _require(
+            engine == "megatron",
+            f"parallel.pp={pp}: pipeline parallelism runs on megatron-core's own schedule (1F1B); "
+            f"trainer.engine={engine} runs its micro-batches itself. Add trainer.engine=megatron",
+        )
+        _require(
+            self.model.num_layers % pp == 0,
+            f"parallel.pp={pp} splits model.num_layers={self.model.num_layers} into equal "
+            f"stages; choose model.num_layers as a multiple of {pp}",
+        )
+        _require(
+            not self.vision.enabled,
+            f"parallel.pp={pp} with vision=on is not supported (the vision encoder is not split "
+            "into stages); use parallel.pp=1 with vision=on",
+        )
+        _require(
+            not self.trainer.trace_steps,
+            f"trainer.trace_steps needs parallel.pp=1 (a trace hooks every module of one whole "
+            f"model; at pp={pp} each rank holds one stage); trace at pp=1",
+        )
+
     def _check_tensor_parallel(self) -> None:
         """What tp splits must divide by tp: megatron would fail later, deep inside a layer."""
         tp, m = self.parallel.tp, self.model
@@ -741,7 +813,9 @@ class TrainConfig:
 
     @property
     def parallel_dims(self) -> ParallelDims:
-        return ParallelDims(tp=self.parallel.tp, cp=self.cp.size, dp=self.parallel.dp)
+        return ParallelDims(
+            tp=self.parallel.tp, cp=self.cp.size, dp=self.parallel.dp, pp=self.parallel.pp
+        )
 
     @property
     def alignment(self) -> int:

@@ -180,13 +180,17 @@ def adopt_environment(environ: MutableMapping[str, str] = os.environ) -> Process
     return env
 
 
-def launched_world_problem(env: ProcessEnvironment, tp: int, cp: int, dp: int) -> str | None:
-    """Why the world a launcher started cannot run tp x cp x dp, with the launch that would, or
-    None when it fits (a lone process starts its own ranks and always fits)."""
-    wanted = tp * cp * dp
+def launched_world_problem(
+    env: ProcessEnvironment, tp: int, cp: int, dp: int, pp: int = 1
+) -> str | None:
+    """Why the world a launcher started cannot run tp x cp x dp (x pp), with the launch that
+    would, or None when it fits (a lone process starts its own ranks and always fits)."""
+    wanted = tp * cp * dp * pp
     if not env.external or env.world_size == wanted:
         return None
     grid = f"tp*cp*dp = {tp}*{cp}*{dp} = {wanted}"
+    if pp > 1:
+        grid = f"tp*cp*dp*pp = {tp}*{cp}*{dp}*{pp} = {wanted}"
     nodes = env.num_nodes if wanted % env.num_nodes == 0 else 1
     per_node = wanted // nodes
     if env.launcher == "slurm":

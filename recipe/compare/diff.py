@@ -25,6 +25,10 @@ LAYOUT_KEYS = (
     "parallel.dp",
     "parallel.tp",
     "parallel.sequence_parallel",
+    "parallel.pp",
+    # megatron's engine: how the gradient reduction and optimizer state are split
+    "trainer.megatron.use_distributed_optimizer",
+    "trainer.megatron.overlap_grad_reduce",
     "model.attention_backend",
     "batching.max_tokens_per_rank",
     "model.pass_position_ids",

@@ -48,6 +48,7 @@ class Run:
             self.cp == 1
             and int(self.config.get("parallel.dp", 1)) == 1
             and int(self.config.get("parallel.tp", 1)) == 1
+            and int(self.config.get("parallel.pp", 1)) == 1
             and self.config.get("vision.positions", "full_stream") == "full_stream"
         )
 

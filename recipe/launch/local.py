@@ -59,9 +59,8 @@ def check_launchable(cfg: TrainConfig) -> None:
     limit = max_local_ranks()
     if cfg.world_size > limit:
         raise ConfigError(
-            f"tp*cp*dp = {cfg.parallel.tp}*{cfg.cp.size}*{cfg.parallel.dp} = {cfg.world_size} "
-            f"ranks, but this machine can host at most {limit}; lower cp or parallel.dp, or "
-            "launch across nodes with torchrun/SLURM"
+            f"{cfg.parallel_dims.product()} ranks, but this machine can host at most {limit}; "
+            "lower cp or parallel.dp, or launch across nodes with torchrun/SLURM"
         )
 
 

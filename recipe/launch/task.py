@@ -116,7 +116,7 @@ def check_launched_world(cfg: TrainConfig, env: ProcessEnvironment) -> None:
     """A launcher's world (torchrun, an sbatch allocation, a submitit job) that is not tp*cp*dp
     is refused before any rendezvous, with the launch that would fit."""
     dims = cfg.parallel_dims
-    problem = launched_world_problem(env, dims.tp, dims.cp, dims.dp)
+    problem = launched_world_problem(env, dims.tp, dims.cp, dims.dp, dims.pp)
     if problem:
         raise ConfigError(problem)
 

@@ -91,6 +91,12 @@ def _per_layer_autoscaler():
             return output
 
         @staticmethod
+        def set_loss_scale(scale: torch.Tensor):
+            # megatron's schedule sets the scale through the name its module now binds to this
+            # class; keep it where the backward below (and megatron's own class) reads it
+            MTPLossAutoScaler.main_loss_backward_scale = scale
+
+        @staticmethod
         def backward(ctx, grad_output: torch.Tensor):
             (mtp_loss,) = ctx.saved_tensors
             scale = ctx.layer_scale
@@ -144,20 +150,27 @@ def prepare_mtp_backward(
     global_layer_counts: list[int] | torch.Tensor,
     local_lm_count: torch.Tensor,
     local_layer_counts: torch.Tensor,
+    gradient_divisor: float | None = None,
 ) -> None:
     """Before the forward of one training micro-batch: set what megatron's MTP autoscaler gives
     the MTP targets at backward time.
 
-    exact: per layer, `mtp_layer_backward_scales` (needs `install_exact_mtp_scaling`).
+    exact: per layer, `mtp_layer_backward_scales` (needs `install_exact_mtp_scaling`), times
+    `gradient_divisor` when the engine divides every gradient by it after backward (megatron's).
     upstream: what megatron's own schedule does with per-token losses: a scale of 1 and every
-    gradient divided by the step's global main-loss count (`finalize_model_grads`), which the
-    recipe folds into the one scale.
+    gradient divided by the step's global main-loss count (`finalize_model_grads`). The recipe's
+    engine (`gradient_divisor` None) folds that into the one scale; on megatron's engine its own
+    schedule sets the scale.
     """
     original, _ = _per_layer_autoscaler()
     _pending_layer_scales.clear()
     if scaling == "exact":
         scales = mtp_layer_backward_scales(global_layer_counts, local_lm_count, local_layer_counts)
+        if gradient_divisor is not None:
+            scales = scales * gradient_divisor
         _pending_layer_scales.extend(scales.unbind())
+    elif gradient_divisor is not None:
+        return
     else:
         # Set on megatron's class itself: its `set_loss_scale` looks the class up by module name,
         # which after `install_exact_mtp_scaling` is the subclass.

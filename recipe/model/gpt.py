@@ -8,6 +8,8 @@ CP rank starts from identical weights and runs at different cp are comparable.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +54,7 @@ def build_transformer_config(
     deterministic: bool = True,
     cp_comm_type: str = "p2p",
     mrope_section: list[int] | None = None,
+    pp_size: int = 1,
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -73,6 +76,12 @@ def build_transformer_config(
         tensor_model_parallel_size=tp_size,
         sequence_parallel=sequence_parallel,
         context_parallel_size=cp_size,
+        pipeline_model_parallel_size=pp_size,
+        # THD micro-batches differ in length: stages exchange each one's shape first
+        variable_seq_lengths=pp_size > 1,
+        # no experts here; megatron checks this pairing with variable lengths regardless
+        **({"moe_token_dispatcher_type": "alltoall"} if pp_size > 1 else {}),
+        pipeline_dtype=torch.float32 if pp_size > 1 else None,
         cp_comm_type=cp_comm_type if cp_size > 1 else None,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
@@ -141,17 +150,125 @@ def build_gpt_model(
     deterministic: bool = True,
     cp_comm_type: str = "p2p",
     mrope_section: list[int] | None = None,
+    pp_size: int = 1,
+    calculate_per_token_loss: bool = True,
 ):
     """A GPTModel with identical initial weights on every rank that shares `seed`.
+
+    At `pp_size` > 1 it is this rank's pipeline stage (megatron's pre/post_process, the MTP
+    block on the last stage), whose weights are copied from the whole model built from `seed`:
+    every layout starts from the weights of the pp=1 model.
 
     With `mtp_cfg.enabled` it carries megatron-core's multi-token-prediction block, built from the
     same layer spec, so the recipe's attention backend runs inside the MTP layers too. With
     `mrope_section` its rope is megatron's 3-D (mrope) variant, for vision mode.
     """
+    silence_known_warnings()
+    settings = dict(
+        model_cfg=model_cfg,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        seed=seed,
+        cp_size=cp_size,
+        tp_size=tp_size,
+        sequence_parallel=sequence_parallel,
+        mtp_cfg=mtp_cfg,
+        deterministic=deterministic,
+        cp_comm_type=cp_comm_type,
+        mrope_section=mrope_section,
+        calculate_per_token_loss=calculate_per_token_loss,
+    )
+    if pp_size == 1:
+        model = _build_stage(**settings)
+    else:
+        with _as_one_stage():
+            whole = _build_stage(**settings)
+        model = _build_stage(**settings, pp_size=pp_size)
+        copy_into_stage(model, whole)
+        del whole
+    # Built on the CPU so every rank and device type starts from the same weights, then moved.
+    return model.to(device) if device is not None else model
+
+
+@contextlib.contextmanager
+def _as_one_stage():
+    """megatron's parallel state answers pp=1 (rank 0 of one stage) inside the block: how the
+    whole model is built on a rank of a pipeline."""
+    from megatron.core import parallel_state
+
+    parallel_state.set_pipeline_model_parallel_world_size(1)
+    parallel_state.set_pipeline_model_parallel_rank(0)
+    try:
+        yield
+    finally:
+        parallel_state.set_pipeline_model_parallel_world_size(None)
+        parallel_state.set_pipeline_model_parallel_rank(None)
+
+
+def stage_layer_offset(stage_model) -> int:
+    """The global index of the stage's first decoder layer (megatron numbers layers globally,
+    from 1, in `layer_number`; parameter names count from 0 on every stage)."""
+    layers = stage_model.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def whole_model_name(stage_name: str, layer_offset: int, tied_output: bool) -> str:
+    """The name a stage's parameter has in the whole (pp=1) model: decoder layers renumbered
+    from the stage's offset, a tied output layer on the last stage = the word embedding."""
+    prefix = "decoder.layers."
+    if stage_name.startswith(prefix):
+        index, rest = stage_name[len(prefix) :].split(".", 1)
+        return f"{prefix}{int(index) + layer_offset}.{rest}"
+    if tied_output and stage_name == "output_layer.weight":
+        return "embedding.word_embeddings.weight"
+    return stage_name
+
+
+def whole_model_names(stage_model) -> dict[str, str]:
+    """{stage parameter name: its name in the whole model} of one pipeline stage."""
+    offset = stage_layer_offset(stage_model)
+    tied = bool(getattr(stage_model, "share_embeddings_and_output_weights", False))
+    return {
+        name: whole_model_name(name, offset, tied) for name, _ in stage_model.named_parameters()
+    }
+
+
+def copy_into_stage(stage_model, whole_model) -> None:
+    """Give a pipeline stage the whole model's weights, parameter by parameter."""
+    whole = dict(whole_model.named_parameters())
+    params = dict(stage_model.named_parameters())
+    with torch.no_grad():
+        for name, whole_name in whole_model_names(stage_model).items():
+            if whole_name not in whole or whole[whole_name].shape != params[name].shape:
+                raise RuntimeError(
+                    f"pipeline stage parameter {name} has no counterpart {whole_name} of shape "
+                    f"{tuple(params[name].shape)} in the whole model: megatron's stage layout "
+                    "changed and recipe/model/gpt.py must follow it"
+                )
+            params[name].copy_(whole[whole_name])
+
+
+def _build_stage(
+    *,
+    model_cfg,
+    vocab_size: int,
+    max_sequence_length: int,
+    seed: int,
+    cp_size: int,
+    tp_size: int,
+    sequence_parallel: bool,
+    mtp_cfg,
+    deterministic: bool,
+    cp_comm_type: str,
+    mrope_section,
+    calculate_per_token_loss: bool,
+    pp_size: int = 1,
+):
+    """One GPTModel as megatron's parallel state places it (the whole model at pp=1)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    silence_known_warnings()
     backend = resolve_attention_backend(model_cfg.attention_backend)
     config = build_transformer_config(
         model_cfg,
@@ -162,21 +279,26 @@ def build_gpt_model(
         deterministic=deterministic,
         cp_comm_type=cp_comm_type,
         mrope_section=mrope_section,
+        pp_size=pp_size,
     )
+    config.calculate_per_token_loss = calculate_per_token_loss
     layer_spec = build_layer_spec(backend)
     decoder_spec = layer_spec
     if backend != "te":
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules,
+            get_num_layers_to_build,
+        )
 
         decoder_spec = TransformerBlockSubmodules(
-            layer_specs=[layer_spec] * config.num_layers, layer_norm=TorchRMSNorm
+            layer_specs=[layer_spec] * get_num_layers_to_build(config), layer_norm=TorchRMSNorm
         )
     mtp_block_spec = None
     if config.mtp_num_layers:
         mtp_block_spec = get_gpt_mtp_block_spec(
             config, layer_spec, use_transformer_engine=backend == "te"
         )
-        if backend != "te":
+        if backend != "te" and mtp_block_spec is not None:  # None: not this stage's
             _use_recipe_norms(mtp_block_spec)
     torch.manual_seed(seed)
     model = GPTModel(
@@ -185,15 +307,14 @@ def build_gpt_model(
         mtp_block_spec=mtp_block_spec,
         vocab_size=padded_vocab_size(vocab_size, model_cfg.make_vocab_size_divisible_by),
         max_sequence_length=max_sequence_length,
-        pre_process=True,
-        post_process=True,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=model_cfg.tie_embeddings,
         position_embedding_type="mrope" if mrope_section else model_cfg.position_embedding_type,
         rotary_base=model_cfg.rotary_base,
     )
-    # Built on the CPU so every rank and device type starts from the same weights, then moved.
-    return model.to(device) if device is not None else model
+    return model
 
 
 def packed_seq_params(batch: PackedBatch):

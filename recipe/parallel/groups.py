@@ -75,6 +75,7 @@ def init_distributed(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=dims.tp,
             context_parallel_size=dims.cp,
+            pipeline_model_parallel_size=dims.pp,
             create_gloo_process_groups=False,
             distributed_timeout_minutes=timeout_s / 60,  # megatron builds timedelta(minutes=...)
         )
@@ -83,11 +84,13 @@ def init_distributed(
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_context_parallel_rank(),
         parallel_state.get_data_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
     )
-    if megatron_says != (layout.tp_rank, layout.cp_rank, layout.dp_rank):
+    recipe_says = (layout.tp_rank, layout.cp_rank, layout.dp_rank, layout.pp_rank)
+    if megatron_says != recipe_says:
         raise RuntimeError(
-            f"rank {layout.rank}: megatron places it at (tp, cp, dp) = {megatron_says}, the "
-            f"recipe's layout at {(layout.tp_rank, layout.cp_rank, layout.dp_rank)}; the rank "
+            f"rank {layout.rank}: megatron places it at (tp, cp, dp, pp) = {megatron_says}, the "
+            f"recipe's layout at {recipe_says}; the rank "
             "order of megatron-core changed and recipe/parallel/layout.py must follow it"
         )
     return layout
@@ -200,6 +203,13 @@ def megatron_parallel_state():
     from megatron.core import parallel_state
 
     return parallel_state
+
+
+def pipeline_group():
+    """The ranks that hold the other stages of this rank's model (one per stage)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_group()
 
 
 def cp_group():

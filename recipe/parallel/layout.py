@@ -1,9 +1,9 @@
-"""The parallel layout as plain arithmetic: tp x cp x dp, alignment, and where a rank sits.
+"""The parallel layout as plain arithmetic: tp x cp x dp x pp, alignment, and where a rank sits.
 
 Every degree rule lives here, in one frozen dataclass that needs no process group, so a bad
 layout is refused at start-up (or before a rendezvous) with the config field to change, and unit
 tests can check the rules without spawning ranks. Ranks are numbered as megatron-core numbers
-them (order tp-cp-dp, tp fastest): `groups` checks megatron's own answer against this one.
+them (order tp-cp-dp-pp, tp fastest): `groups` checks megatron's own answer against this one.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ SUPPORTED_TP = (1, 2, 4)
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The sizes of the grid; world size = tp * cp * dp."""
+    """The sizes of the grid; world size = tp * cp * dp * pp."""
 
     tp: int = 1
     """Tensor-parallel size (`parallel.tp`)."""
@@ -25,13 +25,16 @@ class ParallelDims:
     """Context-parallel size (`cp.size`)."""
     dp: int = 1
     """Data-parallel size (`parallel.dp`)."""
+    pp: int = 1
+    """Pipeline-parallel stages (`parallel.pp`, megatron's engine only)."""
 
     def __post_init__(self) -> None:
         for field_name, value in (("parallel.tp", self.tp), ("cp.size", self.cp)):
             if value <= 0:
                 raise ConfigError(f"{field_name} must be > 0, got {value}")
-        if self.dp <= 0:
-            raise ConfigError(f"parallel.dp must be > 0, got {self.dp}")
+        for field_name, value in (("parallel.dp", self.dp), ("parallel.pp", self.pp)):
+            if value <= 0:
+                raise ConfigError(f"{field_name} must be > 0, got {value}")
         if self.tp not in SUPPORTED_TP:
             raise ConfigError(
                 f"parallel.tp={self.tp} is not supported; use one of "
@@ -40,7 +43,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp * self.dp
+        return self.tp * self.cp * self.dp * self.pp
 
     @property
     def alignment(self) -> int:
@@ -54,13 +57,22 @@ class ParallelDims:
         """Refuse a launcher world that is not this grid, before anyone waits on a rendezvous."""
         if world_size != self.world_size:
             raise ConfigError(
-                f"the launcher started {world_size} ranks but tp*cp*dp = "
-                f"{self.tp}*{self.cp}*{self.dp} = {self.world_size}; launch {self.world_size} "
-                "processes, or change cp / parallel.dp to fit the launched world"
+                f"the launcher started {world_size} ranks but {self.product()}; launch "
+                f"{self.world_size} processes, or change cp / parallel.dp to fit the launched "
+                "world"
             )
 
+    def product(self) -> str:
+        """`tp*cp*dp = 1*2*1 = 2` (with `*pp` when pipeline stages are in play), for messages."""
+        names, sizes = ["tp", "cp", "dp"], [self.tp, self.cp, self.dp]
+        if self.pp > 1:
+            names.append("pp")
+            sizes.append(self.pp)
+        return f"{'*'.join(names)} = {'*'.join(map(str, sizes))} = {self.world_size}"
+
     def layout_of(self, rank: int) -> ParallelLayout:
-        """Where global `rank` sits: megatron's order tp-cp-dp, tensor-parallel ranks adjacent."""
+        """Where global `rank` sits: megatron's order tp-cp-dp-pp, tensor-parallel ranks
+        adjacent, pipeline stages outermost."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
         return ParallelLayout(
@@ -68,7 +80,8 @@ class ParallelDims:
             rank=rank,
             tp_rank=rank % self.tp,
             cp_rank=rank // self.tp % self.cp,
-            dp_rank=rank // (self.tp * self.cp),
+            dp_rank=rank // (self.tp * self.cp) % self.dp,
+            pp_rank=rank // (self.tp * self.cp * self.dp),
         )
 
 
@@ -81,6 +94,7 @@ class ParallelLayout:
     tp_rank: int
     cp_rank: int
     dp_rank: int
+    pp_rank: int = 0
 
     @property
     def world_size(self) -> int:
@@ -97,6 +111,19 @@ class ParallelLayout:
     @property
     def dp_size(self) -> int:
         return self.dims.dp
+
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """The stage that holds the output layer, the losses (and the MTP block)."""
+        return self.pp_rank == self.dims.pp - 1
 
     @property
     def is_main(self) -> bool:

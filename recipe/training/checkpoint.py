@@ -57,6 +57,9 @@ REPORTED = (
     "trainer.max_steps",
     "trainer.precision",
     "trainer.deterministic",
+    # the engine may change: both keep torch AdamW's per-parameter state under the same names
+    "trainer.engine",
+    "trainer.megatron",
     "cp.preprocess",
 )
 
@@ -198,9 +201,21 @@ def config_fingerprint(cfg) -> dict:
                 "seed": cfg.trainer.seed,
                 "precision": cfg.trainer.precision,
                 "deterministic": cfg.trainer.deterministic,
+                "engine": cfg.trainer.engine,
+                "megatron": {
+                    "calculate_per_token_loss": cfg.trainer.megatron.calculate_per_token_loss,
+                    "sync_mtp_position_embeddings": (
+                        cfg.trainer.megatron.sync_mtp_position_embeddings
+                    ),
+                },
             },
             "cp": {"preprocess": cfg.cp.preprocess},
-            "parallel": {"tp": cfg.parallel.tp, "cp": cfg.cp.size, "dp": cfg.parallel.dp},
+            "parallel": {
+                "tp": cfg.parallel.tp,
+                "cp": cfg.cp.size,
+                "dp": cfg.parallel.dp,
+                "pp": cfg.parallel.pp,
+            },
         }
     )
 
@@ -271,9 +286,10 @@ def _partition_dim(param) -> int | None:
     return param.partition_dim
 
 
-def full_state(model, optimizer, tp_group) -> dict[str, torch.Tensor]:
-    """Weights, AdamW moments and RNG state as tp=1 tensors on the CPU, keyed by name."""
-    params = dict(model.named_parameters())
+def full_state(model, optimizer, tp_group, names: dict[str, str] | None = None):
+    """Weights, AdamW moments and RNG state as tp=1 tensors on the CPU, keyed by name (a
+    pipeline stage's parameters by their `names` in the whole model)."""
+    params = _named_parameters(model, names)
     state: dict[str, torch.Tensor] = {}
     for name, param in params.items():
         state[f"model/{name}"] = _joined(param.detach(), param, tp_group)
@@ -292,6 +308,11 @@ def full_state(model, optimizer, tp_group) -> dict[str, torch.Tensor]:
     return state
 
 
+def _named_parameters(model, names: dict[str, str] | None) -> dict[str, torch.nn.Parameter]:
+    params = dict(model.named_parameters())
+    return {names[n]: p for n, p in params.items()} if names else params
+
+
 def _persistent_buffers(model) -> dict[str, torch.Tensor]:
     saved = model.state_dict().keys()
     return {name: b for name, b in model.named_buffers() if name in saved}
@@ -304,8 +325,16 @@ def _joined(tensor: torch.Tensor, param, tp_group) -> torch.Tensor:
     return tensor.detach().cpu().clone()
 
 
-def load_full_state(checkpoint: Path, model, optimizer, tp_rank: int, tp_size: int) -> None:
-    """Read a checkpoint written at any layout into this rank's model shard and optimizer."""
+def load_full_state(
+    checkpoint: Path,
+    model,
+    optimizer,
+    tp_rank: int,
+    tp_size: int,
+    names: dict[str, str] | None = None,
+) -> None:
+    """Read a checkpoint written at any layout into this rank's model shard (or pipeline stage,
+    whose parameters' whole-model `names` are given) and optimizer."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -316,7 +345,7 @@ def load_full_state(checkpoint: Path, model, optimizer, tp_rank: int, tp_size: i
         if isinstance(meta, TensorStorageMetadata)
     }
     dcp.load(target, checkpoint_id=str(checkpoint))
-    params = dict(model.named_parameters())
+    params = _named_parameters(model, names)
 
     def local(key: str, param) -> torch.Tensor:
         if key not in target:

@@ -131,13 +131,24 @@ class ForwardOutput:
 
 
 def forward_step(batch: PackedBatch, model, pass_position_ids: bool = True) -> ForwardOutput:
-    """The model call for one packed micro-batch: the only place that builds it."""
+    """One packed micro-batch through the whole model: its per-token losses (and, training
+    with MTP, the per-layer MTP means megatron tracked)."""
+    per_token = model_call(batch, model, pass_position_ids)
+    mtp_means = None
+    if batch.mtp_mask is not None and model.training:
+        mtp_means = take_mtp_loss_means(batch.mtp_mask.shape[0]).to(per_token.device)
+    return ForwardOutput(per_token.squeeze(0), mtp_means)
+
+
+def model_call(batch: PackedBatch, model, pass_position_ids: bool = True) -> torch.Tensor:
+    """The model call for one packed micro-batch, the only place that builds it: [1, T] per-token
+    losses from the last (or only) pipeline stage, hidden states from the others."""
     kwargs = {}
     if batch.mtp_mask is not None:
         kwargs["loss_mask"] = batch.loss_mask.unsqueeze(0)  # megatron rolls it per MTP layer
     if batch.images is not None:
         kwargs["batch"] = batch  # images, their slots and the stream for the 3-D positions
-    per_token = model(
+    return model(
         input_ids=batch.input_ids.unsqueeze(0),
         position_ids=batch.position_ids.unsqueeze(0) if pass_position_ids else None,
         attention_mask=None,
@@ -145,10 +156,6 @@ def forward_step(batch: PackedBatch, model, pass_position_ids: bool = True) -> F
         packed_seq_params=packed_seq_params(batch),
         **kwargs,
     )
-    mtp_means = None
-    if batch.mtp_mask is not None and model.training:
-        mtp_means = take_mtp_loss_means(batch.mtp_mask.shape[0]).to(per_token.device)
-    return ForwardOutput(per_token.squeeze(0), mtp_means)
 
 
 def loss_func(

@@ -27,17 +27,15 @@ from recipe.environment import cuda_available, read_environment
 from recipe.errors import ConfigError, StepRefused
 from recipe.log import get_logger
 from recipe.model.compat import (
-    captured_token_losses,
     check_te_cp_comm_type,
-    confirm_mtp_backward_taken,
     install_exact_mtp_scaling,
-    prepare_mtp_backward,
     transformer_engine_version,
 )
 from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+from recipe.model.gpt import whole_model_names
+from recipe.model.megatron_engine_cpu import apply_megatron_engine_cpu_compat
 from recipe.model.numerics import (
     apply_determinism,
-    autocast,
     check_backend_and_precision,
     resolve_precision,
 )
@@ -55,18 +53,20 @@ from recipe.training.checkpoint import (
     save_checkpoint,
     set_aside_newer,
 )
+from recipe.training.engine import build_engine
 from recipe.training.guard import StepGuard
 from recipe.training.loggers import NullLogger, RunLogger
+from recipe.training.megatron_engine import pipeline_sum
 from recipe.training.metrics import StepMetrics, mtp_layer_means, optimised_loss, summarize
-from recipe.training.optimizer import build_optimizer, grad_norm, lr_at, set_lr
+from recipe.training.micro_batch import MicroBatchPass
 from recipe.training.preemption import Preempted, StopRequests, requeue_slurm_job
-from recipe.training.step import StepWork, forward_step, loss_func, plan_step
+from recipe.training.step import StepWork, plan_step
 from recipe.training.throughput import (
     device_peak_tflops,
     linear_parameter_count,
     model_flops_per_step,
 )
-from recipe.training.tokens import token_columns, token_rows, write_token_records
+from recipe.training.tokens import token_columns, write_token_records
 from recipe.training.trace import ActivationTrace, gradients_of, write_trace
 
 _log = get_logger(__name__)
@@ -101,8 +101,12 @@ class Trainer:
         self.precision = resolve_precision(cfg.trainer.precision, device)
         """fp32 or bf16 (autocast around every forward), resolved for this device."""
         self.corpus = corpus
+        if cfg.trainer.engine == "megatron":  # before the model: a pipeline stage needs it
+            apply_megatron_engine_cpu_compat()
         self.model = build_model(cfg, corpus.vocab_size, device, layout.cp_rank)
-        self.optimizer = build_optimizer(self.model, cfg)
+        """This rank's model (its pipeline stage at parallel.pp > 1), unwrapped."""
+        self.engine = build_engine(self.model, cfg, layout)
+        """What steps the optimizer (trainer.engine)."""
         self.linear_params = linear_parameter_count(self.model)
         self.attention_layers = cfg.model.num_layers + (
             cfg.mtp.num_layers if cfg.mtp.enabled else 0
@@ -120,6 +124,10 @@ class Trainer:
         self.history: list[dict] = []
         """metrics.jsonl records of the steps taken."""
         self.checkpoint_dir = Path(cfg.output_dir) / CHECKPOINTS_DIR if cfg.output_dir else None
+        if self._checkpointing():
+            self.engine.checkpoint_optimizer  # noqa: B018 - an engine that cannot says so now
+        self.whole_names = whole_model_names(self.model) if layout.pp_size > 1 else None
+        """At parallel.pp > 1, each parameter's name in the whole model (checkpoints)."""
         # the run's identity: new for a fresh run, the checkpoint's when resumed
         self.run_id = uuid.uuid4().hex[:16]
         # the input files as this run read them, recorded in every checkpoint's manifest (which
@@ -177,31 +185,38 @@ class Trainer:
         self.logger.log_summary(summary)
         return {"summary": summary, "history": self.history}
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer whose state checkpoints hold."""
+        return self.engine.checkpoint_optimizer
+
+    def _checkpointing(self) -> bool:
+        """Whether this run writes or reads checkpoints (then the engine must say what its
+        optimizer state is, at start-up rather than at the first checkpoint)."""
+        t = self.cfg.trainer
+        return bool(t.resume) or bool(t.checkpoint_every and self.checkpoint_dir)
+
     def train_step(self) -> StepMetrics:
         """One optimizer step on the next step of data (and an eval when one is due)."""
         step_start = time.perf_counter()
         self.step += 1
         work = self._plan(next(self.steps), self.step <= self.cfg.cp.check_steps)
-        lr = lr_at(self.step - 1, self.cfg)
-        set_lr(self.optimizer, lr)
-        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.engine.begin_step(self.step)
         mtp_counts = work.global_mtp_tokens
         token_rows_of_step = [] if self.step in self.cfg.trainer.record_tokens else None
         trace = None
         if self.step in self.cfg.trainer.trace_steps:
             trace = ActivationTrace(self.model, self.layout)
-        with self._collectives_in("the forward/backward pass (CP, TP and MTP exchanges)"):
+        with self._collectives_in("the forward/backward pass (CP, TP, PP and MTP exchanges)"):
             totals = self.forward_backward_step(work, token_rows_of_step, trace)
         if token_rows_of_step is not None:
             self._write_token_records(token_rows_of_step)
-        params = list(self.model.parameters())
         with self._collectives_in("the gradient all-reduce"):
-            collectives.all_reduce_gradients(params, self.grad_group)
-            collectives.all_reduce_sequence_parallel_gradients(params, self.tp_group)
+            self.engine.reduce_gradients()
         if trace is not None:  # gradients summed over ranks, before clipping scales them
             self._write_trace(trace.close())
         with self._collectives_in("the gradient all-reduce"):
-            norm = grad_norm(params, self.cfg.optim.grad_clip, self.tp_group)
+            norm = self.engine.gradient_norm()
         with self._collectives_in("the loss all-reduce"):
             totals = self._reduce(totals, work)
         lm_loss = totals[0][0] / work.global_predicted_tokens
@@ -212,7 +227,8 @@ class Trainer:
         judged = {"lm_loss": lm_loss, "loss": loss, "grad_norm": norm}
         verdict = self.guard.judge(self.step, judged)
         if verdict.take_step:
-            self.optimizer.step()
+            with self._collectives_in("the optimizer step"):
+                self.engine.apply()
         self.stop_reason = verdict.stop
         step_time = time.perf_counter() - step_start
         world = self.layout.world_size
@@ -263,53 +279,28 @@ class Trainer:
             ) from None
 
     def forward_backward_step(self, work: StepWork, token_rows_out: list | None = None, trace=None):
-        """Forward and backward over this rank's micro-batches; returns the step's report
-        totals on this rank, [name, (sum, count)] in `work.report_names` order, on the device.
-        With `token_rows_out`, each micro-batch's per-token records are appended to it."""
-        from recipe.model.vision import language_model_of  # megatron-core: not in the parent
-
-        names = work.report_names
-        totals = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
-        for index, batch in enumerate(work.micro_batches):
-            if trace is not None:
-                trace.micro_batch(batch, work.samples[index])
-            if work.global_mtp_tokens:
-                prepare_mtp_backward(
-                    self.cfg.mtp.scaling,
-                    work.global_predicted_tokens,
-                    work.global_mtp_counts,
-                    batch.loss_mask.sum(),
-                    batch.mtp_mask.sum(-1),
-                )
-            recording = token_rows_out is not None and self.layout.tp_rank == 0  # tp ranks agree
-            with (
-                (
-                    captured_token_losses(language_model_of(self.model))
-                    if recording
-                    else contextlib.nullcontext()
-                ) as losses,
-                autocast(self.device, self.precision),
-            ):
-                output = forward_step(batch, self.model, self.cfg.passes_position_ids)
-            if work.global_mtp_tokens:
-                confirm_mtp_backward_taken()
-            loss_sum, num_tokens, report = loss_func(batch, output)
-            if recording:
-                mtp_losses = losses[:-1]  # megatron computes the MTP depths' losses first
-                token_rows_out.append(
-                    token_rows(
-                        batch, output.per_token_loss, work.samples[index], self.layout, mtp_losses
-                    )
-                )
-            (loss_sum / work.global_predicted_tokens).backward()
-            totals += torch.stack([report[name] for name in names])
-        return totals
+        """Forward and backward over this rank's micro-batches on the run's engine; returns the
+        step's report totals on this rank, [name, (sum, count)] in `work.report_names` order, on
+        the device (zeros on pipeline stages without the loss). With `token_rows_out`, each
+        micro-batch's per-token records are appended to it."""
+        micro = MicroBatchPass(
+            work,
+            self.cfg,
+            self.layout,
+            self.precision,
+            self.model,
+            gradient_divisor=self.engine.gradient_divisor(work),
+            token_rows_out=token_rows_out,
+            trace=trace,
+        )
+        return self.engine.forward_backward(micro)
 
     def _reduce(self, totals: torch.Tensor, work: StepWork) -> list[tuple[float, float]]:
         """One all-reduce for the whole step's reports, then a check that every predicted token
         was counted exactly once across ranks (a sharding bug that drops or duplicates a token
         would otherwise only nudge the loss)."""
         collectives.all_reduce_sum(totals, self.grad_group)
+        pipeline_sum(totals, self.layout)
         pairs = [(s, n) for s, n in totals.tolist()]
         counted = [n for _, n in pairs]
         if counted != [float(c) for c in work.expected_counts]:
@@ -322,15 +313,16 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean next-token loss on the held-out set (no MTP, no gradients)."""
-        self.model.eval()
+        self.engine.train(False)
         totals = torch.zeros(1, 2, dtype=torch.float64, device=self.device)
         for work in self.eval_chunks:
-            for batch in work.micro_batches:
-                with autocast(self.device, self.precision):
-                    output = forward_step(batch, self.model, self.cfg.passes_position_ids)
-                totals[0] += loss_func(batch, output)[2]["lm"]
-        self.model.train()
+            micro = MicroBatchPass(
+                work, self.cfg, self.layout, self.precision, self.model, training=False
+            )
+            totals += self.engine.forward_backward(micro, training=False)
+        self.engine.train(True)
         collectives.all_reduce_sum(totals, self.grad_group)
+        pipeline_sum(totals, self.layout)
         expected = sum(w.global_predicted_tokens for w in self.eval_chunks)
         loss_sum, counted = totals[0].tolist()
         if counted != expected:
@@ -367,7 +359,7 @@ class Trainer:
         import megatron.core
 
         with self._collectives_in("the checkpoint's tensor-parallel gather"):
-            tensors = full_state(self.model, self.optimizer, self.tp_group)
+            tensors = full_state(self.model, self.optimizer, self.tp_group, self.whole_names)
         manifest = {
             "format": FORMAT_VERSION,
             "run_id": self.run_id,
@@ -378,7 +370,9 @@ class Trainer:
                 "tp": self.layout.tp_size,
                 "cp": self.layout.cp_size,
                 "dp": self.layout.dp_size,
+                "pp": self.layout.pp_size,
             },
+            "engine": self.cfg.trainer.engine,
             "config": config_fingerprint(self.cfg),
             "inputs": self.inputs,
             "versions": {"torch": torch.__version__, "megatron_core": megatron.core.__version__},
@@ -398,7 +392,12 @@ class Trainer:
         manifest = read_manifest(checkpoint)
         changes = resume_differences(manifest, self.cfg)
         load_full_state(
-            checkpoint, self.model, self.optimizer, self.layout.tp_rank, self.layout.tp_size
+            checkpoint,
+            self.model,
+            self.optimizer,
+            self.layout.tp_rank,
+            self.layout.tp_size,
+            self.whole_names,
         )
         self.steps.load_state_dict(manifest["data"])
         self.run_id = manifest.get("run_id", self.run_id)
@@ -450,6 +449,11 @@ def build_model(
         deterministic=cfg.trainer.deterministic,
         cp_comm_type=cfg.cp.comm_type,
         mrope_section=cfg.vision.mrope_section if vision else None,
+        pp_size=cfg.parallel.pp,
+        # only megatron's engine reads it: the recipe's divides by the global count itself
+        calculate_per_token_loss=(
+            cfg.trainer.engine != "megatron" or cfg.trainer.megatron.calculate_per_token_loss
+        ),
     )
     if not vision:
         return model
