@@ -144,7 +144,7 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_tp_resumes_both_ways(tmp_p
     assert newest[0] == stopped_at, "the checkpoint is of the last step taken"
     assert 8 < stopped_at < 24
     assert f"newest checkpoint {newest[1]}; continue with trainer.resume=auto" in stderr
-    assert ckpt.read_manifest(newest[1])["layout"] == {"tp": 2, "cp": 1, "dp": 1}
+    assert ckpt.read_manifest(newest[1])["layout"] == {"tp": 2, "cp": 1, "dp": 1, "pp": 1}
     _train(run_dir, "trainer.resume=auto")
     result = compare(load_run(run_dir), load_run(reference_cp1), RTOL)
     assert result.passed, [(d.metric, d.max_rel) for d in result.diffs]

@@ -67,9 +67,30 @@ def _steps_and_weights(cfg, patch=None) -> dict:
     return {"records": records, "weights": weights}
 
 
-def _run(worlds, overrides: list[str], patch=None) -> dict:
-    cfg = typed_config(overrides)
-    return worlds.run(cfg.world_size, _steps_and_weights, cfg, patch)
+def _run(worlds, overrides: list[str], patch=None, run_dir=None) -> dict:
+    cfg = typed_config(overrides, output_dir=run_dir)
+    result = worlds.run(cfg.world_size, _steps_and_weights, cfg, patch)
+    if run_dir is not None:
+        from recipe.training.tokens import read_token_records
+
+        result["tokens"] = read_token_records(run_dir)
+    return result
+
+
+RECORDED = "trainer.record_tokens=[2]"
+
+
+def _assert_same_token_losses(result: dict, reference: dict) -> None:
+    """Step 2's per-token records (every predicted token's loss and MTP losses, in global
+    order) of two runs agree within the parity tolerance."""
+    import numpy as np
+
+    got, want = result["tokens"][2], reference["tokens"][2]
+    assert len(want["lm_loss"]) > 100
+    for column in ("sample", "position"):
+        assert np.array_equal(got[column], want[column]), column
+    for column in [c for c in want if c == "lm_loss" or c.startswith("mtp_loss_")]:
+        assert np.allclose(got[column], want[column], rtol=RTOL, atol=0, equal_nan=True), column
 
 
 def _assert_same_training(result: dict, reference: dict, rtol: float = RTOL) -> None:
@@ -123,13 +144,14 @@ def test_megatrons_own_warmup_would_start_at_zero():
 
 
 @pytest.fixture(scope="module")
-def recipe_pp1(worlds):
-    return _run(worlds, PIPELINE_MODEL)
+def recipe_pp1(worlds, tmp_path_factory):
+    return _run(worlds, [*PIPELINE_MODEL, RECORDED], run_dir=tmp_path_factory.mktemp("recipe"))
 
 
 @pytest.fixture(scope="module")
-def megatron_pp1(worlds):
-    return _run(worlds, [*PIPELINE_MODEL, *MEGATRON])
+def megatron_pp1(worlds, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("megatron")
+    return _run(worlds, [*PIPELINE_MODEL, *MEGATRON, RECORDED], run_dir=run_dir)
 
 
 def test_megatron_engine_equals_the_recipe_engine_at_cp1(recipe_pp1, megatron_pp1):
@@ -137,6 +159,7 @@ def test_megatron_engine_equals_the_recipe_engine_at_cp1(recipe_pp1, megatron_pp
     digit, mtp_loss within 2.1e-8, grad_norm within 7.3e-8, weights within 5e-7 but three
     elements (3.1e-6 at most, Adam on near-zero gradients)."""
     _assert_same_training(megatron_pp1, recipe_pp1)
+    _assert_same_token_losses(megatron_pp1, recipe_pp1)
 
 
 @pytest.mark.distributed
@@ -171,12 +194,16 @@ def test_negative_control_a_rank_weighted_loss_fails_the_engine_comparison(world
 
 
 @pytest.mark.distributed
-def test_pp2_cp2_dp2_with_the_distributed_optimizer_equals_pp_cp_dp_1(worlds, megatron_pp1):
+def test_pp2_cp2_dp2_with_the_distributed_optimizer_equals_pp_cp_dp_1(
+    worlds, megatron_pp1, tmp_path
+):
     """Eight ranks: two pipeline stages (1F1B, variable THD lengths, MTP and the embedding copies
-    on the last stage), zigzag CP, and megatron's distributed optimizer over dp."""
+    on the last stage), zigzag CP, and megatron's distributed optimizer over dp; the per-token
+    records come from the last stage's ranks."""
     result = _run(
         worlds,
         [
+            RECORDED,
             *PIPELINE_MODEL,
             *MEGATRON,
             "parallel.pp=2",
@@ -185,8 +212,10 @@ def test_pp2_cp2_dp2_with_the_distributed_optimizer_equals_pp_cp_dp_1(worlds, me
             "trainer.megatron.use_distributed_optimizer=true",
             "trainer.megatron.overlap_grad_reduce=true",
         ],
+        run_dir=tmp_path,
     )
     _assert_same_training(result, megatron_pp1)
+    _assert_same_token_losses(result, megatron_pp1)
 
 
 @pytest.mark.distributed
@@ -264,3 +293,79 @@ def test_finding_per_micro_batch_mean_loss_depends_on_the_cp_layout(worlds):
 def test_unsupported_engine_settings_are_start_up_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         typed_config(overrides)
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+TIMING = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu")
+CHECKPOINTED = [*PIPELINE_MODEL, *MEGATRON, "trainer.checkpoint_every=2", "trainer.eval_every=2"]
+
+
+def _curve(run_dir) -> list[dict]:
+    from recipe.training.loggers import read_metrics
+
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir)]
+
+
+def _step2(run_dir) -> str:
+    return f"trainer.resume={run_dir / 'checkpoints' / 'step_00000002'}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.pp=2"],
+        ["parallel.dp=2", "trainer.megatron.use_distributed_optimizer=true"],
+    ],
+    ids=["pp2", "dp2-distributed-optimizer"],
+)
+def test_a_resumed_megatron_run_continues_bit_for_bit(shared_runs, layout):
+    """Weights and the optimizer state (the distributed optimizer's shards joined over dp, each
+    stage's parameters under their whole-model names) written at step 2 and read back: steps 3
+    and 4 are the uninterrupted run's to the last bit."""
+    whole = shared_runs.run_dir([*CHECKPOINTED, *layout])
+    resumed = shared_runs.run_dir([*CHECKPOINTED, *layout, _step2(whole)])
+    assert len(_curve(whole)) == 4
+    assert _curve(resumed) == _curve(whole)
+
+
+@pytest.mark.distributed
+def test_a_pp2_distributed_optimizer_checkpoint_resumes_at_pp1_and_on_the_recipe_engine(
+    shared_runs,
+):
+    """Checkpoints do not depend on the layout or the engine that wrote them: a pp=2, dp=2 run
+    with the distributed optimizer resumes at pp=dp=1 with the plain optimizer, and on the
+    recipe's engine, within the parity tolerance of the uninterrupted pp=1 run."""
+    from recipe.compare.diff import compare
+    from recipe.compare.runs import load_run
+
+    written = [
+        "parallel.pp=2",
+        "parallel.dp=2",
+        "trainer.megatron.use_distributed_optimizer=true",
+    ]
+    source = shared_runs.run_dir([*CHECKPOINTED, *written])
+    reference = shared_runs.run_dir(CHECKPOINTED)
+    for engine in ("megatron", "recipe"):
+        resumed = shared_runs.run_dir([*CHECKPOINTED, f"trainer.engine={engine}", _step2(source)])
+        result = compare(load_run(resumed), load_run(reference), rtol=RTOL)
+        assert result.passed, (engine, result)
+
+
+def test_negative_control_a_resume_that_drops_the_optimizer_shards_is_not_bit_exact(
+    shared_runs, monkeypatch, tmp_path
+):
+    """The distributed optimizer (at dp=1 it holds one shard of everything) resumed with its
+    state left empty: the continued curve must differ, or the test above proves nothing."""
+    from recipe.training import megatron_engine
+    from recipe.training.trainer import train
+
+    layout = ["trainer.megatron.use_distributed_optimizer=true"]
+    whole = shared_runs.run_dir([*CHECKPOINTED, *layout])
+    assert _curve(shared_runs.run_dir([*CHECKPOINTED, *layout, _step2(whole)])) == _curve(whole)
+    monkeypatch.setattr(megatron_engine, "_load_shard_state", lambda optimizer, moments: None)
+    train(typed_config([*CHECKPOINTED, *layout, _step2(whole)], output_dir=tmp_path))
+    broken, want = _curve(tmp_path), _curve(whole)
+    assert broken[:2] == want[:2]  # the history up to the checkpoint is carried over
+    assert broken[2:] != want[2:]

@@ -286,9 +286,10 @@ def _partition_dim(param) -> int | None:
     return param.partition_dim
 
 
-def full_state(model, optimizer, tp_group, names: dict[str, str] | None = None):
+def full_state(model, optimizer_state: dict, tp_group, names: dict[str, str] | None = None):
     """Weights, AdamW moments and RNG state as tp=1 tensors on the CPU, keyed by name (a
-    pipeline stage's parameters by their `names` in the whole model)."""
+    pipeline stage's parameters by their `names` in the whole model). `optimizer_state` is
+    {parameter: {"exp_avg": ..., ...}} with this rank's tp shard of every moment."""
     params = _named_parameters(model, names)
     state: dict[str, torch.Tensor] = {}
     for name, param in params.items():
@@ -296,7 +297,7 @@ def full_state(model, optimizer, tp_group, names: dict[str, str] | None = None):
     for name, buffer in _persistent_buffers(model).items():
         state[f"model/{name}"] = buffer.detach().cpu().clone()  # full on every rank
     for name, param in params.items():
-        for key, value in optimizer.state.get(param, {}).items():
+        for key, value in optimizer_state.get(param, {}).items():
             if isinstance(value, torch.Tensor) and value.shape == param.shape:
                 value = _joined(value, param, tp_group)
             state[f"optim/{name}/{key}"] = (
@@ -325,16 +326,33 @@ def _joined(tensor: torch.Tensor, param, tp_group) -> torch.Tensor:
     return tensor.detach().cpu().clone()
 
 
+def torch_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """{parameter: its state} of a torch optimizer (what `full_state` takes)."""
+    return dict(optimizer.state)
+
+
+def load_torch_optimizer_state(optimizer: torch.optim.Optimizer, moments: dict) -> None:
+    """Give a torch optimizer the {parameter: state} that `load_full_state` returns."""
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    optimizer.load_state_dict(
+        {
+            "state": {index[id(p)]: state for p, state in moments.items()},
+            "param_groups": optimizer.state_dict()["param_groups"],
+        }
+    )
+
+
 def load_full_state(
     checkpoint: Path,
     model,
-    optimizer,
     tp_rank: int,
     tp_size: int,
     names: dict[str, str] | None = None,
-) -> None:
+) -> dict:
     """Read a checkpoint written at any layout into this rank's model shard (or pipeline stage,
-    whose parameters' whole-model `names` are given) and optimizer."""
+    whose parameters' whole-model `names` are given); returns the optimizer state for it,
+    {parameter: {"exp_avg": ..., ...}} (this rank's tp shard of each moment), and restores the
+    random number generators."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -367,25 +385,22 @@ def load_full_state(
         for name, buffer in _persistent_buffers(model).items():
             buffer.copy_(local(f"model/{name}", buffer))
 
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     moments = {}
     for name, param in params.items():
         prefix = f"optim/{name}/"
         keys = [k for k in target if k.startswith(prefix)]
         if not keys:
             continue  # a parameter that never had a gradient has no optimizer state yet
-        moments[index[id(param)]] = {
+        moments[param] = {
             k[len(prefix) :]: (local(k, param) if target[k].dim() else target[k]).to(
                 param.device if target[k].dim() else "cpu"
             )
             for k in keys
         }
-    optimizer.load_state_dict(
-        {"state": moments, "param_groups": optimizer.state_dict()["param_groups"]}
-    )
     torch.set_rng_state(target["rng/cpu"])
     if "rng/cuda" in target and cuda_available():
         torch.cuda.set_rng_state(target["rng/cuda"])
+    return moments
 
 
 # --- writing -----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from recipe.parallel import collectives, groups
+from recipe.training.checkpoint import load_torch_optimizer_state, torch_optimizer_state
 from recipe.training.optimizer import build_optimizer, grad_norm, lr_at, set_lr
 
 
@@ -28,10 +29,12 @@ class RecipeEngine:
         self.tp_group = groups.tp_group()
         self._params = list(model.parameters())
 
-    @property
-    def checkpoint_optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer whose per-parameter state a checkpoint holds."""
-        return self.optimizer
+    def optimizer_state(self) -> dict:
+        """{parameter: {"step", "exp_avg", "exp_avg_sq"}} for checkpoints."""
+        return torch_optimizer_state(self.optimizer)
+
+    def load_optimizer_state(self, moments: dict) -> None:
+        load_torch_optimizer_state(self.optimizer, moments)
 
     def gradient_divisor(self, work) -> float | None:
         """None: losses are divided before backward (see MicroBatchPass)."""

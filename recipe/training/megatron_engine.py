@@ -16,9 +16,9 @@ import inspect
 
 import torch
 
-from recipe.errors import ConfigError
 from recipe.model.megatron_engine_cpu import apply_megatron_engine_cpu_compat
 from recipe.parallel import collectives, groups
+from recipe.training.checkpoint import load_torch_optimizer_state, torch_optimizer_state
 from recipe.training.micro_batch import REPORT
 
 
@@ -130,18 +130,29 @@ class MegatronEngine:
             return None
         return model.embedding.position_embeddings.weight
 
-    @property
-    def checkpoint_optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer whose per-parameter state a checkpoint holds (megatron's plain
-        fp32 optimizer wraps torch's AdamW on the model's own parameters)."""
-        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        if self.options.use_distributed_optimizer or len(inner) != 1:
-            raise ConfigError(
-                "checkpoints of trainer.engine=megatron hold the plain optimizer's state; with "
-                "trainer.megatron.use_distributed_optimizer=true set trainer.checkpoint_every=0 "
-                "(and no trainer.resume), or use_distributed_optimizer=false"
-            )
-        return inner[0].optimizer
+    def _inner_optimizers(self) -> list:
+        """megatron's optimizers behind the one it returned (a ChainedOptimizer holds several)."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def optimizer_state(self) -> dict:
+        """{parameter: {"step", "exp_avg", "exp_avg_sq"}} of this rank's model (or stage), the
+        distributed optimizer's shards joined over its data-parallel group."""
+        state = {}
+        for inner in self._inner_optimizers():
+            if _is_distributed(inner):
+                state.update(_joined_shard_state(inner, self.model))
+            else:  # the plain fp32 optimizer wraps torch's AdamW on the model's parameters
+                state.update(torch_optimizer_state(inner.optimizer))
+        return state
+
+    def load_optimizer_state(self, moments: dict) -> None:
+        """Give every optimizer its part of `moments` (from `load_full_state`)."""
+        for inner in self._inner_optimizers():
+            if _is_distributed(inner):
+                _load_shard_state(inner, moments)
+            else:
+                mine = {p: moments[p] for g in inner.optimizer.param_groups for p in g["params"]}
+                load_torch_optimizer_state(inner.optimizer, mine)
 
     def gradient_divisor(self, work) -> float:
         """What megatron divides every gradient by after backward: with per-token losses the
@@ -204,6 +215,71 @@ class MegatronEngine:
 
     def train(self, mode: bool = True) -> None:
         self.ddp.train(mode)
+
+
+def _is_distributed(optimizer) -> bool:
+    return hasattr(optimizer, "gbuf_ranges") and hasattr(optimizer, "model_param_group_index_map")
+
+
+def _owned_ranges(optimizer):
+    """(model parameter, Range of its flattened elements this rank's optimizer shard holds)."""
+    for gbuf_range_maps in optimizer.gbuf_ranges:
+        for bucket_maps in gbuf_range_maps.values():
+            for bucket_map in bucket_maps:
+                for param, range_map in bucket_map["param_map"].items():
+                    if range_map["param"].size > 0:
+                        yield param, range_map["param"]
+
+
+def _shard_states(optimizer, param):
+    """The torch optimizer's shard parameter and its state dict for a model parameter."""
+    group, order = optimizer.model_param_group_index_map[param]
+    shard = optimizer.optimizer.param_groups[group]["params"][order]
+    return shard, optimizer.optimizer.state[shard]
+
+
+def _joined_shard_state(optimizer, model) -> dict:
+    """Every parameter's whole optimizer state, from the shards of the distributed optimizer's
+    data-parallel ranks (each flattened element is held by exactly one of them)."""
+    params = list(model.parameters())
+    position = {id(p): i for i, p in enumerate(params)}
+    mine = {}
+    for param, owned in _owned_ranges(optimizer):
+        _, state = _shard_states(optimizer, param)
+        tensors = {k: v.detach().cpu().clone() for k, v in state.items() if torch.is_tensor(v)}
+        mine[position[id(param)]] = (owned.start, owned.end, tensors)
+    joined: dict = {}
+    for part in collectives.all_gather_objects(mine, optimizer.data_parallel_group):
+        for index, (start, end, tensors) in part.items():
+            param = params[index]
+            entry = joined.setdefault(param, {})
+            for key, value in tensors.items():
+                if value.dim() == 0:  # Adam's step: the same on every rank
+                    entry[key] = value
+                    continue
+                flat = entry.setdefault(key, torch.zeros(param.numel(), dtype=value.dtype))
+                flat[start:end] = value.reshape(-1)
+    return {
+        p: {k: v if v.dim() == 0 else v.view(p.shape).to(p.device) for k, v in e.items()}
+        for p, e in joined.items()
+    }
+
+
+def _load_shard_state(optimizer, moments: dict) -> None:
+    """Each rank takes its slice of every parameter's state (and its main parameter shard,
+    from the weights already loaded into the model)."""
+    for param, owned in _owned_ranges(optimizer):
+        if param not in moments:
+            continue
+        shard, _ = _shard_states(optimizer, param)
+        with torch.no_grad():
+            shard.copy_(param.detach().reshape(-1)[owned.start : owned.end])
+        optimizer.optimizer.state[shard] = {
+            key: value.clone()
+            if value.dim() == 0
+            else value.reshape(-1)[owned.start : owned.end].clone().to(shard.device)
+            for key, value in moments[param].items()
+        }
 
 
 def pipeline_sum(totals: torch.Tensor, layout) -> torch.Tensor:

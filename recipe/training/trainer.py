@@ -124,8 +124,6 @@ class Trainer:
         self.history: list[dict] = []
         """metrics.jsonl records of the steps taken."""
         self.checkpoint_dir = Path(cfg.output_dir) / CHECKPOINTS_DIR if cfg.output_dir else None
-        if self._checkpointing():
-            self.engine.checkpoint_optimizer  # noqa: B018 - an engine that cannot says so now
         self.whole_names = whole_model_names(self.model) if layout.pp_size > 1 else None
         """At parallel.pp > 1, each parameter's name in the whole model (checkpoints)."""
         # the run's identity: new for a fresh run, the checkpoint's when resumed
@@ -186,15 +184,9 @@ class Trainer:
         return {"summary": summary, "history": self.history}
 
     @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer whose state checkpoints hold."""
-        return self.engine.checkpoint_optimizer
-
-    def _checkpointing(self) -> bool:
-        """Whether this run writes or reads checkpoints (then the engine must say what its
-        optimizer state is, at start-up rather than at the first checkpoint)."""
-        t = self.cfg.trainer
-        return bool(t.resume) or bool(t.checkpoint_every and self.checkpoint_dir)
+    def optimizer(self):
+        """The engine's optimizer (torch's AdamW, or megatron's)."""
+        return self.engine.optimizer
 
     def train_step(self) -> StepMetrics:
         """One optimizer step on the next step of data (and an eval when one is due)."""
@@ -359,7 +351,9 @@ class Trainer:
         import megatron.core
 
         with self._collectives_in("the checkpoint's tensor-parallel gather"):
-            tensors = full_state(self.model, self.optimizer, self.tp_group, self.whole_names)
+            tensors = full_state(
+                self.model, self.engine.optimizer_state(), self.tp_group, self.whole_names
+            )
         manifest = {
             "format": FORMAT_VERSION,
             "run_id": self.run_id,
@@ -391,14 +385,11 @@ class Trainer:
         changed since (`key: old -> new`)."""
         manifest = read_manifest(checkpoint)
         changes = resume_differences(manifest, self.cfg)
-        load_full_state(
-            checkpoint,
-            self.model,
-            self.optimizer,
-            self.layout.tp_rank,
-            self.layout.tp_size,
-            self.whole_names,
+        moments = load_full_state(
+            checkpoint, self.model, self.layout.tp_rank, self.layout.tp_size, self.whole_names
         )
+        with self._collectives_in("the optimizer state's exchange"):
+            self.engine.load_optimizer_state(moments)
         self.steps.load_state_dict(manifest["data"])
         self.run_id = manifest.get("run_id", self.run_id)
         self.step = int(manifest["step"])
