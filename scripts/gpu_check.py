@@ -287,44 +287,32 @@ def _te_to_local_name(name: str) -> str | None:
     return name.replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
 
 
-def _training_pass(model, batch, work, cfg, device: torch.device) -> dict:
-    """One training micro-batch as the trainer runs it (train mode, the config's precision, MTP
-    scaled exactly): per-token losses (MTP depths too) and every gradient."""
-    from recipe.model.compat import (
-        captured_token_losses,
-        confirm_mtp_backward_taken,
-        prepare_mtp_backward,
-    )
-    from recipe.model.numerics import autocast, resolve_precision
-    from recipe.model.vision import language_model_of
-    from recipe.training.step import forward_step, loss_func
+def _training_pass(model, work, cfg, layout, device: torch.device) -> dict:
+    """The step's one training micro-batch through the trainer's own per-micro-batch work
+    (`MicroBatchPass`: train mode, the config's precision, MTP scaled exactly, the per-token
+    capture), then backward as the recipe's engine runs it: per-token losses (MTP depths too,
+    in global token order) and every gradient."""
+    from recipe.model.numerics import resolve_precision
+    from recipe.training.micro_batch import MicroBatchPass
+    from recipe.training.tokens import token_columns
 
     model.train()
     model.zero_grad(set_to_none=True)
-    if work.global_mtp_tokens:
-        prepare_mtp_backward(
-            "exact",
-            work.global_predicted_tokens,
-            work.global_mtp_counts,
-            batch.loss_mask.sum(),
-            batch.mtp_mask.sum(-1),
-        )
-    with (
-        captured_token_losses(language_model_of(model)) as losses,
-        autocast(device, resolve_precision(cfg.trainer.precision, device)),
-    ):
-        output = forward_step(batch, model, cfg.passes_position_ids)
-    if work.global_mtp_tokens:
-        confirm_mtp_backward_taken()
-    loss_sum, _, _ = loss_func(batch, output)
+    rows: list[torch.Tensor] = []
+    precision = resolve_precision(cfg.trainer.precision, device)
+    micro = MicroBatchPass(work, cfg, layout, precision, model, token_rows_out=rows)
+    output, finish = micro.forward(0, model)
+    loss_sum, _, _ = finish(output)
     (loss_sum / work.global_predicted_tokens).backward()
-    mask = batch.loss_mask.bool()
-    mtp_masks = [] if batch.mtp_mask is None else [m.bool() for m in batch.mtp_mask]
-    grads = model.named_parameters()
+    (table,) = rows
+    names = token_columns(cfg.mtp.num_layers if cfg.mtp.enabled else 0)
+    mtp = [table[:, i] for i, name in enumerate(names) if name.startswith("mtp_loss_")]
     return {
-        "lm": output.per_token_loss.detach().float()[mask],
-        "mtp": [loss.reshape(-1).float()[m] for loss, m in zip(losses[:-1], mtp_masks)],
-        "grads": {n: p.grad.detach().float() for n, p in grads if p.grad is not None},
+        "lm": table[:, names.index("lm_loss")].float(),
+        "mtp": [column[~column.isnan()].float() for column in mtp],
+        "grads": {
+            n: p.grad.detach().float() for n, p in model.named_parameters() if p.grad is not None
+        },
     }
 
 
@@ -364,7 +352,7 @@ def model_pair_passes(
             work = plan_step(seqs, cfg, layout, pad_id=258, device=device)
             if len(work.micro_batches) != 1:
                 raise RuntimeError("the comparison wants one micro-batch")
-            passes.append(_training_pass(model, work.micro_batches[0], work, cfg, device))
+            passes.append(_training_pass(model, work, cfg, layout, device))
     return passes[0], passes[1], pairs
 
 
