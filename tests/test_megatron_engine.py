@@ -43,6 +43,7 @@ def _steps_and_weights(cfg, patch=None) -> dict:
     from recipe.data.corpus import load_corpus
     from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
     from recipe.parallel import collectives, groups
+    from recipe.training.checkpoint import full_state
     from recipe.training.trainer import Trainer
 
     apply_cpu_compat()
@@ -56,8 +57,9 @@ def _steps_and_weights(cfg, patch=None) -> dict:
         finally:
             if undo is not None:
                 undo()  # the rank's process runs the session's later jobs too
-        names = trainer.whole_names or {n: n for n, _ in trainer.model.named_parameters()}
-        mine = {names[n]: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        # what a checkpoint holds: tp shards joined, stage parameters under whole-model names
+        tensors = full_state(trainer.model, {}, groups.tp_group(), trainer.whole_names)
+        mine = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
         parts = collectives.gather_to_main(mine)
     if parts is None:
         return {}
@@ -222,6 +224,31 @@ def test_pp2_cp2_dp2_with_the_distributed_optimizer_equals_pp_cp_dp_1(
 def test_pp2_with_tied_embeddings_equals_pp1(worlds):
     tied = [*PIPELINE_MODEL, *MEGATRON, "model.tie_embeddings=true", "mtp=off"]
     _assert_same_training(_run(worlds, [*tied, "parallel.pp=2"]), _run(worlds, tied))
+
+
+@pytest.mark.distributed
+def test_tp2_x_pp2_equals_pp1(worlds, megatron_pp1):
+    """Four ranks: tensor-parallel stages (vocab-parallel embedding and loss on both ends)."""
+    result = _run(worlds, [*PIPELINE_MODEL, *MEGATRON, "parallel.pp=2", "parallel.tp=2"])
+    _assert_same_training(result, megatron_pp1)
+
+
+@pytest.mark.distributed
+def test_a_trace_on_megatrons_engine_matches_the_recipe_engines(shared_runs):
+    """Activation traces and the summed gradients (megatron keeps them in main_grad: its
+    optimizer hands them to .grad before the trace reads them) of megatron's engine at dp=2
+    line up with the recipe engine's at dp=1: no module diverges."""
+    from recipe.compare.diverge import compare_traces, first_divergence
+    from recipe.training.trace import read_trace
+
+    traced = [*PIPELINE_MODEL, "trainer.trace_steps=[2]"]
+    _, recipe = read_trace(shared_runs.run_dir(traced), 2)
+    _, megatron = read_trace(shared_runs.run_dir([*traced, *MEGATRON, "parallel.dp=2"]), 2)
+    diffs = compare_traces(megatron, recipe, rtol=RTOL)
+    gradients = [d for d in diffs if d.kind == "gradient"]
+    assert recipe["grads"] and len(gradients) == len(recipe["grads"])
+    assert first_divergence(diffs, RTOL, "activation") is None
+    assert first_divergence(diffs, RTOL, "gradient") is None
 
 
 # --- what megatron's own normalisation does ----------------------------------------------------
