@@ -163,6 +163,7 @@ def test_a_cp1_checkpoint_resumes_at_dp2_x_cp2_within_the_parity_tolerance(
         "tp": 1,
         "cp": 2,
         "dp": 2,
+        "pp": 1,
     }
 
 

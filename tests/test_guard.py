@@ -116,26 +116,26 @@ def _inject_lr_scale(step_index: int = SPIKE_AT - 2, scale: float = -300.0):
     """Scale the learning rate of one step (lr_at takes the 0-based step index); -300 turns it
     into a large step uphill (measured on the tiny config: lm_loss 4.84 at step 5, 11.58 at
     step 6; a scale of +300 happens to lower the loss there)."""
-    from recipe.training import trainer
+    from recipe.training import engine
 
-    original = trainer.lr_at
+    original = engine.lr_at
 
     def scaled(step, cfg):
         return original(step, cfg) * (scale if step == step_index else 1.0)
 
-    trainer.lr_at = scaled
+    engine.lr_at = scaled
     return original
 
 
 def _train_with_injected_spike(cfg):
     """On every rank: train with one step's learning rate scaled up."""
-    from recipe.training import trainer
+    from recipe.training import engine, trainer
 
     original = _inject_lr_scale()
     try:
         return trainer.train(cfg)
     finally:
-        trainer.lr_at = original
+        engine.lr_at = original
 
 
 def _flagged(history):
@@ -169,6 +169,7 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
 
 def test_skip_step_leaves_weights_and_optimizer_state_untouched():
     from recipe.data.corpus import load_corpus
+    from recipe.training import engine as engine_module
     from recipe.training import trainer as trainer_module
     from tests.helpers.world import lone_world
 
@@ -191,7 +192,7 @@ def test_skip_step_leaves_weights_and_optimizer_state_untouched():
             after = trainer.model.state_dict()
             moments_after = _optimizer_tensors(trainer.optimizer)
     finally:
-        trainer_module.lr_at = original
+        engine_module.lr_at = original
     assert record["spike"] and record["skipped"] is True
     assert all(torch.equal(before[k], after[k]) for k in before), "weights untouched"
     assert moments and all(torch.equal(a, b) for a, b in zip(moments, moments_after)), "state"
