@@ -212,6 +212,14 @@ def pipeline_group():
     return parallel_state.get_pipeline_model_parallel_group()
 
 
+def embedding_group():
+    """megatron's group of the first and last pipeline stage of this rank's pipeline: the stages
+    that hold an embedding (the last one for its output layer or MTP block)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_embedding_group()
+
+
 def cp_group():
     from megatron.core import parallel_state
 

@@ -80,6 +80,14 @@ class RecipeEngine:
         self.model.train(mode)
 
 
+def pipeline_sum(totals: torch.Tensor, layout) -> torch.Tensor:
+    """Only the last pipeline stage computes losses: after the dp x cp sum, every stage gets its
+    totals (one all-reduce over the pipeline group; nothing at pp=1)."""
+    if layout.pp_size > 1:
+        collectives.all_reduce_sum(totals, groups.pipeline_group())
+    return totals
+
+
 def build_engine(model, cfg, layout):
     """The engine `trainer.engine` names, around this rank's model (or pipeline stage)."""
     if cfg.trainer.engine == "megatron":

@@ -198,10 +198,7 @@ class MegatronEngine:
         self.optimizer.prepare_grads()
 
     def _sum_position_embedding_grads(self) -> None:
-        from megatron.core import parallel_state
-
-        group = parallel_state.get_embedding_group()
-        collectives.all_reduce_sum(self.sync_positions.main_grad, group)
+        collectives.all_reduce_sum(self.sync_positions.main_grad, groups.embedding_group())
 
     def gradient_norm(self) -> float:
         return float(self.optimizer.get_grad_norm())
@@ -280,10 +277,3 @@ def _load_shard_state(optimizer, moments: dict) -> None:
             else value.reshape(-1)[owned.start : owned.end].clone().to(shard.device)
             for key, value in moments[param].items()
         }
-
-
-def pipeline_sum(totals: torch.Tensor, layout) -> torch.Tensor:
-    """Only the last stage computes losses: after the dp x cp sum, every stage gets its totals."""
-    if layout.pp_size > 1:
-        collectives.all_reduce_sum(totals, groups.pipeline_group())
-    return totals

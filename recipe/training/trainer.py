@@ -53,10 +53,9 @@ from recipe.training.checkpoint import (
     save_checkpoint,
     set_aside_newer,
 )
-from recipe.training.engine import build_engine
+from recipe.training.engine import build_engine, pipeline_sum
 from recipe.training.guard import StepGuard
 from recipe.training.loggers import NullLogger, RunLogger
-from recipe.training.megatron_engine import pipeline_sum
 from recipe.training.metrics import StepMetrics, mtp_layer_means, optimised_loss, summarize
 from recipe.training.micro_batch import MicroBatchPass
 from recipe.training.preemption import Preempted, StopRequests, requeue_slurm_job
