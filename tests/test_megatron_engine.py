@@ -227,6 +227,13 @@ def test_pp2_with_tied_embeddings_equals_pp1(worlds):
 
 
 @pytest.mark.distributed
+def test_pp4_equals_pp1(worlds):
+    """Four stages of one layer each: the two middle stages hold neither embedding nor loss."""
+    four = [*PIPELINE_MODEL, *MEGATRON, "model.num_layers=4", "trainer.max_steps=3"]
+    _assert_same_training(_run(worlds, [*four, "parallel.pp=4"]), _run(worlds, four))
+
+
+@pytest.mark.distributed
 def test_tp2_x_pp2_equals_pp1(worlds, megatron_pp1):
     """Four ranks: tensor-parallel stages (vocab-parallel embedding and loss on both ends)."""
     result = _run(worlds, [*PIPELINE_MODEL, *MEGATRON, "parallel.pp=2", "parallel.tp=2"])
