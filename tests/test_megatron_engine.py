@@ -403,3 +403,53 @@ def test_negative_control_a_resume_that_drops_the_optimizer_shards_is_not_bit_ex
     broken, want = _curve(tmp_path), _curve(whole)
     assert broken[:2] == want[:2]  # the history up to the checkpoint is carried over
     assert broken[2:] != want[2:]
+
+
+# --- the step guard on megatron's engine --------------------------------------------------------
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["plain", "distributed"])
+def test_a_skipped_step_leaves_megatrons_weights_and_optimizer_state_untouched(
+    distributed_optimizer,
+):
+    """trainer.on_nonfinite=skip_step: the guard judges megatron's gradient norm before the
+    update, and a refused step applies nothing (megatron's optimizer.step() is split where its
+    own step() splits it). The non-finite norm is injected at step 3."""
+    from recipe.data.corpus import load_corpus
+    from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+    from recipe.parallel import groups
+    from recipe.training.trainer import Trainer
+
+    cfg = typed_config(
+        [
+            *PIPELINE_MODEL,
+            *MEGATRON,
+            "trainer.on_nonfinite=skip_step",
+            f"trainer.megatron.use_distributed_optimizer={str(distributed_optimizer).lower()}",
+        ]
+    )
+    apply_cpu_compat()
+    with groups.parallel_world(cfg.parallel_dims) as layout:
+        seed_model_parallel_rng(cfg.trainer.seed)
+        trainer = Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data))
+        for _ in range(2):
+            trainer.train_step()
+        measured = trainer.engine.gradient_norm
+        trainer.engine.gradient_norm = lambda: float("nan")
+        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        state = {
+            p: {k: v.clone() for k, v in s.items()}
+            for p, s in trainer.engine.optimizer_state().items()
+        }
+        record = trainer.train_step().to_record()
+        trainer.engine.gradient_norm = measured
+        assert record["nonfinite"] == ["grad_norm"]  # logged as such, the step not applied
+        for name, param in trainer.model.named_parameters():
+            assert torch.equal(param, weights[name]), name
+        after = trainer.engine.optimizer_state()
+        assert state and all(
+            torch.equal(value, after[p][k]) for p, s in state.items() for k, value in s.items()
+        )
+        record = trainer.train_step().to_record()  # the next step applies again
+        assert not record.get("nonfinite")
+        assert any(not torch.equal(p, weights[n]) for n, p in trainer.model.named_parameters())
