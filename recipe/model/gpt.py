@@ -55,6 +55,7 @@ def build_transformer_config(
     cp_comm_type: str = "p2p",
     mrope_section: list[int] | None = None,
     pp_size: int = 1,
+    calculate_per_token_loss: bool = True,
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -87,8 +88,9 @@ def build_transformer_config(
         params_dtype=torch.float32,
         bf16=False,
         # Per-token losses summed over the step and divided once by the global count make the
-        # result independent of how a step is cut into micro-batches and ranks.
-        calculate_per_token_loss=True,
+        # result independent of how a step is cut into micro-batches and ranks (false only for
+        # megatron's engine run on its other normalisation, trainer.megatron.*)
+        calculate_per_token_loss=calculate_per_token_loss,
         deterministic_mode=deterministic,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
@@ -280,8 +282,8 @@ def _build_stage(
         cp_comm_type=cp_comm_type,
         mrope_section=mrope_section,
         pp_size=pp_size,
+        calculate_per_token_loss=calculate_per_token_loss,
     )
-    config.calculate_per_token_loss = calculate_per_token_loss
     layer_spec = build_layer_spec(backend)
     decoder_spec = layer_spec
     if backend != "te":
