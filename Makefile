@@ -96,7 +96,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/hadolint Dockerfile
-	$(BIN)/python -m recipe.config_reference --check
+	$(BIN)/python -m recipe.config.reference --check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $$(mktemp -d)
 
 # The docs site (mkdocs, material theme) into site/; --strict: a broken link or a page missing

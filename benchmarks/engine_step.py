@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _trainer(overrides: list[str], engine: str, layout, corpus):
     from recipe.launch.compose import compose_typed
-    from recipe.model.cpu_compat import seed_model_parallel_rng
+    from recipe.megatron.cpu_patches import seed_model_parallel_rng
     from recipe.training.trainer import Trainer
 
     cfg = compose_typed([*overrides, f"trainer.engine={engine}"])
@@ -56,13 +56,13 @@ def _trainer(overrides: list[str], engine: str, layout, corpus):
 def main(argv: list[str] | None = None) -> int:
     from recipe.data.corpus import load_corpus
     from recipe.launch.compose import compose_typed
-    from recipe.model.cpu_compat import apply_cpu_compat
+    from recipe.megatron.cpu_patches import install_cpu_patches
     from recipe.parallel import groups
 
     args = parse_args(argv)
     total = args.warmup + args.steps
     overrides = [*TINY, *args.overrides, f"trainer.max_steps={total + 1}"]
-    apply_cpu_compat()
+    install_cpu_patches()
     base = compose_typed(overrides)
     with groups.parallel_world(base.parallel_dims) as layout:
         corpus = load_corpus(base.data, base.image_grid)

@@ -50,7 +50,7 @@ def step_times(repeats: int) -> tuple[float, float]:
 
 
 def checker_time(cases: int) -> tuple[float, int]:
-    from recipe.check_preprocess import check
+    from recipe.checks.preprocess import check
     from recipe.parallel.cp.contract import load_function
 
     start = time.perf_counter()

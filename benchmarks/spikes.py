@@ -36,7 +36,7 @@ def _max_ratios(history: list[dict], window: int = 10) -> dict:
 
 def sweep(specs: list[str]) -> None:
     from recipe.launch.compose import compose_typed
-    from recipe.training.trainer import train
+    from recipe.launch.rank import train
 
     for spec in specs:
         overrides = [o for o in spec.split(",") if o]

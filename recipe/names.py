@@ -1,6 +1,6 @@
 """The values a setting can take, and the fp32 tolerances, spelled once.
 
-A leaf module (it imports nothing of the recipe): the schema (`config.py`) validates against these
+A leaf module (it imports nothing of the recipe): the schema (`config/`) validates against these
 tuples, and the code that acts on a value imports the same names, so a new option is added in one
 place and an unknown one is refused everywhere alike.
 """
@@ -20,6 +20,12 @@ CP_COMM_TYPES = ("p2p", "a2a", "all_gather")
 PASS_POSITION_IDS = ("auto", "mtp_only", "not_vision", "always", "never")
 VISION_POSITIONS = ("full_stream", "rank_local", "stock_sharded", "text_1d")
 MTP_SCALINGS = ("exact", "upstream")
+ENGINES = ("recipe", "megatron")
+"""trainer.engine: the recipe's own loop, or megatron-core's DDP, optimizer and schedules."""
+NONFINITE_ACTIONS = ("stop", "skip_step")
+"""trainer.on_nonfinite: what the step guard does with a NaN/inf loss or gradient norm."""
+SPIKE_ACTIONS = ("warn", "skip_step", "stop")
+"""trainer.loss_spike.action: what the step guard does with a spike."""
 
 FP32_RTOL = 1e-5
 """Largest relative difference per step between two fp32 runs on CPU that passes parity."""

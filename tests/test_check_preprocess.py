@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipe.check_preprocess import check, main
+from recipe.checks.preprocess import check, main
+from recipe.config.layout import ParallelDims
 from recipe.parallel.cp import contract
 from recipe.parallel.cp.shard import PreprocessMismatch
-from recipe.parallel.layout import ParallelDims
 from recipe.training.step import plan_step
 from tests.helpers.config import typed_config
 
@@ -102,7 +102,7 @@ def test_a_bad_user_function_is_a_start_up_error():
     """The config checks the spelling only (validation imports nothing of the user's); the
     start-up check imports the module and checks the function's signature."""
     from recipe.errors import ConfigError
-    from recipe.training.trainer import check_preprocess_function
+    from recipe.launch.preflight import check_preprocess_function
 
     assert typed_config(["cp.preprocess=nowhere:fn"]).cp.preprocess == "nowhere:fn"
     with pytest.raises(ConfigError, match="cp.preprocess=nowhere:fn: cannot import nowhere"):

@@ -21,18 +21,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from recipe import checkpoint as ckpt
+from recipe.checkpoint import fs
 from recipe.compare.diff import compare
 from recipe.compare.runs import load_run
+from recipe.data.fingerprint import fingerprint_changes, sha256
 from recipe.errors import ConfigError
-from recipe.training import checkpoint as ckpt
-from recipe.training.loggers import (
+from recipe.rundir.layout import MANIFEST_FILE, PARTIAL_SUFFIX, SET_ASIDE_DIR
+from recipe.rundir.metrics import (
     OutputWriteError,
-    RunLogger,
     effective_records,
     parse_metrics_lines,
     read_metrics,
     run_id_in,
 )
+from recipe.training.loggers import RunLogger
 from tests.helpers.cli import (
     run_train_cli,
     signal_after_steps,
@@ -273,10 +276,10 @@ def test_a_dimension_that_does_not_split_is_an_error():
 def _fake_checkpoint(directory: Path, step: int, complete: bool = True) -> Path:
     path = directory / ckpt.checkpoint_name(step)
     if not complete:
-        path = path.with_name(path.name + ckpt.PARTIAL_SUFFIX)
+        path = path.with_name(path.name + PARTIAL_SUFFIX)
     path.mkdir(parents=True)
     if complete:
-        (path / ckpt.MANIFEST_FILE).write_text(json.dumps({"format": 1, "step": step}))
+        (path / MANIFEST_FILE).write_text(json.dumps({"format": 1, "step": step}))
     return path
 
 
@@ -321,6 +324,97 @@ def test_a_changed_optimizer_is_reported_a_changed_model_refused():
         ckpt.resume_differences(manifest, typed_config(["data.seed=7"]))
 
 
+def _hand_written_fingerprint(cfg) -> dict:
+    """config_fingerprint as it was written out by hand before it was derived from the
+    dataclasses: what every checkpoint written before then records, key for key."""
+    from dataclasses import asdict
+
+    def flatten(node, prefix: str = "") -> dict:
+        if isinstance(node, dict):
+            out = {}
+            for key, value in node.items():
+                out.update(flatten(value, f"{prefix}{key}."))
+            return out
+        return {prefix[:-1]: list(node) if isinstance(node, tuple) else node}
+
+    return flatten(
+        {
+            "model": asdict(cfg.model),
+            "mtp": asdict(cfg.mtp),
+            "vision": asdict(cfg.vision),
+            "data": asdict(cfg.data),
+            "batching": asdict(cfg.batching),
+            "optim": asdict(cfg.optim),
+            "trainer": {
+                "max_steps": cfg.trainer.max_steps,
+                "seed": cfg.trainer.seed,
+                "precision": cfg.trainer.precision,
+                "deterministic": cfg.trainer.deterministic,
+                "engine": cfg.trainer.engine,
+                "megatron": {
+                    "calculate_per_token_loss": cfg.trainer.megatron.calculate_per_token_loss,
+                    "sync_mtp_position_embeddings": (
+                        cfg.trainer.megatron.sync_mtp_position_embeddings
+                    ),
+                },
+            },
+            "cp": {"preprocess": cfg.cp.preprocess},
+            "parallel": {
+                "tp": cfg.parallel.tp,
+                "cp": cfg.cp.size,
+                "dp": cfg.parallel.dp,
+                "pp": cfg.parallel.pp,
+            },
+        }
+    )
+
+
+def _unusual_config():
+    """Every recorded section away from its defaults, and the fields a checkpoint must not
+    record (the other trainer settings, cp's other fields, sequence parallelism) changed too."""
+    from recipe.config import TrainConfig
+
+    cfg = TrainConfig()
+    cfg.model.num_layers, cfg.model.swiglu, cfg.model.position_embedding_type = 3, True, "mrope"
+    cfg.mtp.enabled, cfg.mtp.num_layers, cfg.mtp.scaling = True, 2, "megatron"
+    cfg.vision.enabled, cfg.vision.mrope_section = True, (2, 3, 3)  # a tuple: recorded as a list
+    cfg.data.source, cfg.data.data_files = "files", {"train": ["a.jsonl", "b.jsonl"]}
+    cfg.data.markov.order, cfg.data.shapes.image_size = 3, 64
+    cfg.batching.tokens_per_step, cfg.batching.max_tokens_per_rank = 8192, 1024
+    cfg.optim.lr, cfg.optim.warmup_steps = 1e-3, 5
+    cfg.trainer.max_steps, cfg.trainer.seed, cfg.trainer.precision = 7, 3, "bf16"
+    cfg.trainer.deterministic, cfg.trainer.engine = False, "megatron"
+    cfg.trainer.megatron.calculate_per_token_loss = False
+    cfg.trainer.megatron.sync_mtp_position_embeddings = False
+    cfg.trainer.megatron.use_distributed_optimizer = True
+    cfg.trainer.eval_every, cfg.trainer.checkpoint_every, cfg.trainer.resume = 3, 2, "auto"
+    cfg.trainer.record_tokens, cfg.trainer.loss_spike.factor = [1, 2], 9.0
+    cfg.cp.size, cfg.cp.preprocess, cfg.cp.check_steps, cfg.cp.comm_type = 4, "verl_fixed", 0, "a2a"
+    cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.pp = 2, 3, 2
+    cfg.parallel.sequence_parallel = True
+    cfg.logger.wandb.mode, cfg.output_dir = "disabled", "/somewhere"
+    return cfg
+
+
+@pytest.mark.parametrize("which", ["default", "typed default", "unusual"])
+def test_the_derived_fingerprint_is_the_hand_written_one(which):
+    """Checkpoints written before the fingerprint was derived from the config's dataclasses
+    must still resume: the same keys, in the same order, with the same values."""
+    from recipe.config import TrainConfig
+
+    cfg = {"default": TrainConfig, "typed default": typed_config, "unusual": _unusual_config}
+    cfg = cfg[which]()
+    derived, reference = ckpt.config_fingerprint(cfg), _hand_written_fingerprint(cfg)
+    assert list(derived.items()) == list(reference.items())
+    if which != "unusual":  # (its data files do not exist: resuming reads them)
+        assert ckpt.resume_differences({"path": "c", "config": reference}, cfg) == []
+    else:
+        assert derived != _hand_written_fingerprint(TrainConfig()), "the negative control"
+        assert derived["vision.mrope_section"] == [2, 3, 3]
+        assert derived["data.data_files.train"] == ["a.jsonl", "b.jsonl"]
+        assert derived["parallel.cp"] == 4 and "parallel.sequence_parallel" not in derived
+
+
 def test_a_resume_marker_supersedes_the_steps_past_the_checkpoint():
     rows = [{"step": s, "v": s} for s in (1, 2, 3, 4, 5)]
     marker = {"resumed": {"from_step": 3}}
@@ -337,7 +431,7 @@ def test_a_resume_marker_supersedes_the_steps_past_the_checkpoint():
 def test_a_failed_metrics_write_leaves_only_whole_lines_and_names_the_file(tmp_path, monkeypatch):
     import errno
 
-    from recipe.training import loggers
+    from recipe.rundir import metrics
 
     logger = RunLogger(typed_config(), tmp_path, total_steps=3)
     logger.log_step({"step": 1, "loss": 1.0})
@@ -347,10 +441,10 @@ def test_a_failed_metrics_write_leaves_only_whole_lines_and_names_the_file(tmp_p
         real_write(fd, data[: len(data) // 2])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(loggers.os, "write", disk_full_half_way)
+    monkeypatch.setattr(metrics.os, "write", disk_full_half_way)
     with pytest.raises(OutputWriteError) as err:
         logger.log_step({"step": 2, "loss": 2.0})
-    monkeypatch.setattr(loggers.os, "write", real_write)
+    monkeypatch.setattr(metrics.os, "write", real_write)
     logger.close()
     assert f"could not write {tmp_path / 'metrics.jsonl'}: No space left on device" in str(
         err.value
@@ -379,7 +473,7 @@ def test_a_fresh_run_names_itself_in_its_first_line_and_readers_skip_it(tmp_path
 
 
 def test_a_resume_into_another_runs_directory_is_refused(tmp_path):
-    from recipe.launch.task import check_same_run
+    from recipe.launch.preflight import check_same_run
 
     run = tmp_path / "run"
     run.mkdir()
@@ -458,7 +552,7 @@ def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_name(
 def test_auto_resumes_past_a_truncated_newest_checkpoint_bit_for_bit(tmp_path, reference_cp1):
     """A truncated shard in the newest checkpoint: auto takes the one before it, and the curve
     equals the uninterrupted run's bit for bit."""
-    from recipe.training.trainer import train
+    from recipe.launch.rank import train
 
     run = tmp_path / "run"
     run.mkdir()
@@ -475,7 +569,7 @@ def test_auto_resumes_past_a_truncated_newest_checkpoint_bit_for_bit(tmp_path, r
 
 
 def test_one_line_says_where_training_starts():
-    from recipe.training.trainer import where_training_starts
+    from recipe.launch.rank import where_training_starts
 
     assert where_training_starts(None, None, 0) == "starting at step 0"
     assert where_training_starts("auto", None, 0) == (
@@ -509,7 +603,7 @@ def _corpus(path: Path, words: str) -> None:
 def test_a_regenerated_data_file_is_refused_on_resume_naming_it(tmp_path):
     """The manifest records each input file's size and SHA-256: a file regenerated under the
     same path is exit 2 naming it, unless trainer.allow_data_change=true says it is meant."""
-    from recipe.training.trainer import train
+    from recipe.launch.rank import train
 
     data = tmp_path / "corpus.jsonl"
     _corpus(data, "the first corpus")
@@ -519,9 +613,7 @@ def test_a_regenerated_data_file_is_refused_on_resume_naming_it(tmp_path):
         typed_config([*files, "trainer.max_steps=2", "trainer.checkpoint_every=2"], output_dir=run)
     )
     manifest = ckpt.read_manifest(run / "checkpoints" / "step_00000002")
-    assert manifest["inputs"] == {
-        str(data): {"size": data.stat().st_size, "sha256": ckpt.sha256(data)}
-    }
+    assert manifest["inputs"] == {str(data): {"size": data.stat().st_size, "sha256": sha256(data)}}
     resume = [*files, "trainer.max_steps=2", "trainer.resume=auto"]
     assert ckpt.resume_differences(manifest, typed_config(resume)) == []
     _corpus(data, "a regenerated corpus")
@@ -535,7 +627,7 @@ def test_a_regenerated_data_file_is_refused_on_resume_naming_it(tmp_path):
     before = manifest["inputs"][str(data)]["size"]
     assert allowed == [f"input {data} changed ({before} -> {data.stat().st_size} bytes)"]
     data.unlink()
-    gone = ckpt.fingerprint_changes(manifest["inputs"], {})
+    gone = fingerprint_changes(manifest["inputs"], {})
     assert gone == [f"{data} is no longer there"]
 
 
@@ -543,14 +635,14 @@ def test_rewinding_starts_a_new_timeline_that_auto_follows(tmp_path, reference_c
     """Resume from step 8 in a directory that has 16 and 24: those are set aside (kept, not
     counted, never taken by auto). The new timeline is then cut short after step 18 (as a kill
     leaves it): auto continues it from its own step 16, and the curve is the uninterrupted one."""
-    from recipe.training.trainer import train
+    from recipe.launch.rank import train
 
     run = tmp_path / "run"
     shutil.copytree(reference_cp1, run)
     old_16 = ckpt.read_manifest(run / "checkpoints" / "step_00000016")["written_at"]
     start = run / "checkpoints" / "step_00000008"
     train(typed_config([*RUN, f"trainer.resume={start}"], output_dir=run))
-    (aside,) = (run / "checkpoints" / ckpt.SET_ASIDE_DIR).iterdir()
+    (aside,) = (run / "checkpoints" / SET_ASIDE_DIR).iterdir()
     assert sorted(p.name for p in aside.iterdir()) == ["step_00000016", "step_00000024"]
     assert ckpt.read_manifest(aside / "step_00000016")["written_at"] == old_16
     assert [s for s, _ in ckpt.complete_checkpoints(run / "checkpoints")] == [8, 16, 24]
@@ -565,7 +657,7 @@ def test_rewinding_starts_a_new_timeline_that_auto_follows(tmp_path, reference_c
     assert new_16.name == "step_00000016" and ckpt.read_manifest(new_16)["written_at"] != old_16
     train(typed_config([*RUN, "trainer.resume=auto"], output_dir=run))
     assert _curve(read_metrics(run)) == _curve(read_metrics(reference_cp1))
-    assert len(list((run / "checkpoints" / ckpt.SET_ASIDE_DIR).iterdir())) == 1
+    assert len(list((run / "checkpoints" / SET_ASIDE_DIR).iterdir())) == 1
 
 
 def test_a_short_write_is_reported_as_the_full_disk_it_is(tmp_path, monkeypatch):
@@ -577,11 +669,11 @@ def test_a_short_write_is_reported_as_the_full_disk_it_is(tmp_path, monkeypatch)
         "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
     )
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(600, 600, 0))
-    assert ckpt._root_cause(torch_says, tmp_path / "checkpoints") == (
+    monkeypatch.setattr(fs.shutil, "disk_usage", lambda path: usage(600, 600, 0))
+    assert fs.root_cause(torch_says, tmp_path / "checkpoints") == (
         "[Errno 28] No space left on device (a short write: torch says 'unexpected pos 704 vs "
         "598'; 0 bytes free there)"
     )
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(1 << 40, 0, 1 << 40))
-    assert ckpt._root_cause(torch_says, tmp_path).endswith("(a quota, or a failing device?)")
-    assert ckpt._root_cause(RuntimeError("other"), tmp_path) == "RuntimeError: other"
+    monkeypatch.setattr(fs.shutil, "disk_usage", lambda path: usage(1 << 40, 0, 1 << 40))
+    assert fs.root_cause(torch_says, tmp_path).endswith("(a quota, or a failing device?)")
+    assert fs.root_cause(RuntimeError("other"), tmp_path) == "RuntimeError: other"

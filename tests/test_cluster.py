@@ -26,7 +26,7 @@ from recipe.environment import (
     read_environment,
 )
 from recipe.parallel.collectives import needs_host_staging
-from recipe.training.loggers import effective_records, read_metrics
+from recipe.rundir.metrics import effective_records, read_metrics
 from tests.helpers.cli import RANK_VARIABLES, run_train_cli
 from tests.helpers.config import ROOT, TINY
 

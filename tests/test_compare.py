@@ -282,7 +282,7 @@ def test_a_bad_compare_baseline_stops_the_sweep_before_any_job(tmp_path):
 def _token_records(run: Path, losses: list[float]) -> None:
     import torch
 
-    from recipe.training.tokens import write_token_records
+    from recipe.rundir.tokens import write_token_records
 
     rows = torch.tensor(
         [[0, i, loss, 0, 0, 0] for i, loss in enumerate(losses)], dtype=torch.float64

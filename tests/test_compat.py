@@ -1,11 +1,13 @@
-"""The one module that knows megatron-core's version differences, on the stack installed here."""
+"""The one module that knows megatron-core's version differences (and the MTP scaling that depends
+on one of them), on the stack installed here."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from recipe.model import compat
+from recipe.megatron import versions as compat
+from recipe.model import mtp
 
 pytestmark = pytest.mark.stack_dependent
 
@@ -23,11 +25,11 @@ def test_local_mtp_token_ratio_is_detected_where_megatron_has_it():
 def test_mtp_layer_scales_are_global_per_layer_and_undo_the_local_ratio(monkeypatch):
     lm, layers = torch.tensor(40.0), torch.tensor([30.0, 0.0, 25.0])
     global_counts = [120, 0, 90]
-    monkeypatch.setattr(compat, "mtp_loss_has_local_token_ratio", lambda: False)
-    plain = compat.mtp_layer_backward_scales(global_counts, lm, layers).tolist()
+    monkeypatch.setattr(mtp, "mtp_loss_has_local_token_ratio", lambda: False)
+    plain = mtp.mtp_layer_backward_scales(global_counts, lm, layers).tolist()
     assert plain == pytest.approx([1 / 120, 0.0, 1 / 90])
-    monkeypatch.setattr(compat, "mtp_loss_has_local_token_ratio", lambda: True)
-    undone = compat.mtp_layer_backward_scales(global_counts, lm, layers)
+    monkeypatch.setattr(mtp, "mtp_loss_has_local_token_ratio", lambda: True)
+    undone = mtp.mtp_layer_backward_scales(global_counts, lm, layers)
     # megatron multiplies layer k by lm / clamp(count_k, 1); the product is the global 1 / N_k.
     megatron_ratio = lm / layers.clamp(min=1)
     assert (undone * megatron_ratio).tolist() == pytest.approx([1 / 120, 0.0, 1 / 90])
@@ -37,10 +39,11 @@ def test_exact_scaling_refuses_a_megatron_that_never_takes_the_scales():
     """If megatron stopped calling the autoscaler the recipe replaces, the queued per-layer
     scales stay unused: that must stop the run, not fall back silently to megatron's weighting."""
     local_layers = torch.tensor([45.0, 40.0])
-    compat.prepare_mtp_backward("exact", 100, [90, 80], torch.tensor(50.0), local_layers)
+    scales = mtp.MTPBackwardScales()
+    scales.prepare("exact", 100, [90, 80], torch.tensor(50.0), local_layers)
     with pytest.raises(RuntimeError, match="not taken by megatron"):
-        compat.confirm_mtp_backward_taken()
-    compat.confirm_mtp_backward_taken()  # the queue was cleared: the next step starts clean
+        scales.confirm_taken()
+    scales.confirm_taken()  # the queue was cleared: the next step starts clean
 
 
 def test_mtp_loss_means_are_read_and_reset_on_this_stack():
@@ -59,11 +62,11 @@ def test_mtp_loss_means_are_read_and_reset_on_this_stack():
 
     with lone_world():
         save([2.5, 0.5])
-        assert compat.take_mtp_loss_means(2).tolist() == [2.5, 0.5]
-        assert compat.take_mtp_loss_means(2).tolist() == [0.0, 0.0], "reset after read"
+        assert mtp.take_mtp_loss_means(2).tolist() == [2.5, 0.5]
+        assert mtp.take_mtp_loss_means(2).tolist() == [0.0, 0.0], "reset after read"
         # A later model with more MTP layers in the same process (a one-process sweep).
         save([1.0, 2.0, 3.0])
-        assert compat.take_mtp_loss_means(3).tolist() == [1.0, 2.0, 3.0]
+        assert mtp.take_mtp_loss_means(3).tolist() == [1.0, 2.0, 3.0]
 
 
 def test_te_cp_comm_types_are_checked_against_the_te_version():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe import config_reference
+from recipe.config import reference as config_reference
 from recipe.launch.compose import compose_config
 from recipe.launch.task import to_typed
 
@@ -142,7 +142,7 @@ def test_commands_are_found_in_shell_blocks_with_their_variables():
 
 def test_the_configuration_reference_is_current():
     assert config_reference.PAGE.read_text() == config_reference.render(), (
-        "docs/configuration-reference.md is stale: run `python -m recipe.config_reference`"
+        "docs/configuration-reference.md is stale: run `python -m recipe.config.reference`"
     )
     assert config_reference.main(["--check"]) == 0
 

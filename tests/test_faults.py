@@ -227,9 +227,9 @@ def test_stale_rank_variables_are_named_not_waited_on_in_silence(tmp_path):
 
 def test_a_launched_world_of_the_wrong_size_names_the_variables(monkeypatch):
     from recipe.config import ConfigError
+    from recipe.config.layout import ParallelDims
     from recipe.environment import read_environment
     from recipe.parallel import groups
-    from recipe.parallel.layout import ParallelDims
 
     stale = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
     for key, value in stale.items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from recipe.launch.local import launch_world
-from recipe.training.trainer import train
+from recipe.launch.rank import train
 from tests.helpers.config import typed_config
 
 pytestmark = pytest.mark.gpu

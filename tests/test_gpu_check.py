@@ -4,7 +4,6 @@ GPU fails only on what only a GPU can show."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,17 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from recipe.checks import gpu as gpu_check
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load_gpu_check()
 
 
 @pytest.mark.launches

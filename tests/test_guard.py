@@ -129,11 +129,12 @@ def _inject_lr_scale(step_index: int = SPIKE_AT - 2, scale: float = -300.0):
 
 def _train_with_injected_spike(cfg):
     """On every rank: train with one step's learning rate scaled up."""
-    from recipe.training import engine, trainer
+    from recipe.launch.rank import train
+    from recipe.training import engine
 
     original = _inject_lr_scale()
     try:
-        return trainer.train(cfg)
+        return train(cfg)
     finally:
         engine.lr_at = original
 
@@ -152,7 +153,7 @@ def test_an_injected_spike_is_flagged_and_warn_applies_it(tmp_path):
     assert not any(h.get("skipped") for h in history)
     assert summary["spikes"] == len(_flagged(history))
     assert summary["spike_steps"][0] == SPIKE_AT
-    from recipe.training.loggers import read_metrics
+    from recipe.rundir.metrics import read_metrics
 
     assert read_metrics(tmp_path)[SPIKE_AT - 1]["spike"] == history[SPIKE_AT - 1]["spike"]
 
@@ -199,7 +200,7 @@ def test_skip_step_leaves_weights_and_optimizer_state_untouched():
 
 
 def test_stop_ends_the_run_at_the_spike_with_the_step_logged(tmp_path):
-    from recipe.training.loggers import read_metrics
+    from recipe.rundir.metrics import read_metrics
     from recipe.training.trainer import LossSpike
 
     cfg = typed_config([*INJECTED, "trainer.loss_spike.action=stop"], output_dir=tmp_path)
@@ -245,7 +246,7 @@ def test_a_resumed_trainer_judges_with_the_uninterrupted_window():
 def test_the_default_trains_its_first_30_steps_without_a_spike():
     """The old default (init std 0.02) jumped from 2.89 to 11.41 at step 18 (and its gradient
     norm by 9x at step 23, 80x at step 27); the default now stays within 1.5x of the median."""
-    from recipe.training.trainer import train
+    from recipe.launch.rank import train
 
     history = train(
         typed_config(

@@ -117,7 +117,7 @@ def test_the_layout_cache_follows_the_boundary_tensor():
 
 
 def test_mtp_scales_take_the_global_counts_as_a_device_tensor():
-    from recipe.model.compat import mtp_layer_backward_scales
+    from recipe.model.mtp import mtp_layer_backward_scales
 
     local_lm = torch.tensor(10)
     local_layers = torch.tensor([9, 8])

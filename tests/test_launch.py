@@ -175,18 +175,18 @@ def test_the_root_failure_is_reported_first_even_when_a_peer_is_noticed_first():
     rank 0 first (and SIGTERMed rank 1 after it had recorded its error)."""
     from types import SimpleNamespace
 
-    from recipe.launch.local import _describe_failures
+    from recipe.launch.local import describe_failures
 
     def failure(exitcode, message, timestamp=0):
         return SimpleNamespace(exitcode=exitcode, message=message, timestamp=timestamp)
 
     lost_peer = {"message": "RuntimeError: Connection closed by peer [127.0.0.1]:61677"}
     injected = {"message": "RuntimeError: injected failure on rank 1"}
-    text = _describe_failures({0: failure(-6, lost_peer), 1: failure(-15, injected, timestamp=1)})
+    text = describe_failures({0: failure(-6, lost_peer), 1: failure(-15, injected, timestamp=1)})
     assert text.startswith("rank 1 failed (exit code -15)") and "injected failure" in text
     assert "(also failed: rank 0, exit code -6: RuntimeError: Connection closed by peer" in text
     # No recorded error at all (killed before writing one) ranks after a recorded one.
-    text = _describe_failures({0: failure(-15, "no error file"), 1: failure(1, injected, 5)})
+    text = describe_failures({0: failure(-15, "no error file"), 1: failure(1, injected, 5)})
     assert text.startswith("rank 1 failed")
 
 
@@ -195,18 +195,18 @@ def test_a_recipe_error_in_a_rank_is_reported_once_without_its_traceback():
     any other exception keeps its traceback, which is what finds a bug."""
     from types import SimpleNamespace
 
-    from recipe.launch.local import _describe_failures, recipe_error_line
+    from recipe.launch.local import describe_failures, recipe_error_line
 
     stack = (
         'Traceback (most recent call last):\n  File "x.py", line 1, in f\n'
-        "recipe.training.checkpoint.CheckpointWriteError: could not write checkpoint c: full\n"
+        "recipe.checkpoint.store.CheckpointWriteError: could not write checkpoint c: full\n"
     )
     ours = {"message": "CheckpointWriteError: could not write checkpoint c: full",
             "extraInfo": {"py_callstack": stack}}  # fmt: skip
     assert recipe_error_line(stack) == "CheckpointWriteError: could not write checkpoint c: full"
-    text = _describe_failures({1: SimpleNamespace(exitcode=1, message=ours, timestamp=0)})
+    text = describe_failures({1: SimpleNamespace(exitcode=1, message=ours, timestamp=0)})
     assert text.endswith(": CheckpointWriteError: could not write checkpoint c: full")
     assert "Traceback" not in text and text.count("could not write") == 1
-    theirs = stack.replace("recipe.training.checkpoint.CheckpointWriteError", "KeyError")
+    theirs = stack.replace("recipe.checkpoint.store.CheckpointWriteError", "KeyError")
     assert recipe_error_line(theirs) is None
     assert recipe_error_line(stack.replace("CheckpointWriteError", "Nope")) is None

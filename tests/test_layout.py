@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from recipe.config.layout import ParallelDims
 from recipe.environment import adopt_environment, port_for_job, read_environment
 from recipe.errors import ConfigError
-from recipe.parallel.layout import ParallelDims
 
 dims_st = st.builds(
     ParallelDims,

@@ -40,13 +40,13 @@ def _steps_and_weights(cfg, patch=None) -> dict:
     parameter of the whole model by its whole-model name (stages and ranks gathered).
     `patch(trainer)` changes the trainer before it trains (a negative control) and returns
     what undoes the change."""
+    from recipe.checkpoint import full_state
     from recipe.data.corpus import load_corpus
-    from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+    from recipe.megatron.cpu_patches import install_cpu_patches, seed_model_parallel_rng
     from recipe.parallel import collectives, groups
-    from recipe.training.checkpoint import full_state
     from recipe.training.trainer import Trainer
 
-    apply_cpu_compat()
+    install_cpu_patches()
     with groups.parallel_world(cfg.parallel_dims, timeout_s=120) as layout:
         seed_model_parallel_rng(cfg.trainer.seed)
         corpus = load_corpus(cfg.data, cfg.image_grid)
@@ -73,7 +73,7 @@ def _run(worlds, overrides: list[str], patch=None, run_dir=None) -> dict:
     cfg = typed_config(overrides, output_dir=run_dir)
     result = worlds.run(cfg.world_size, _steps_and_weights, cfg, patch)
     if run_dir is not None:
-        from recipe.training.tokens import read_token_records
+        from recipe.rundir.tokens import read_token_records
 
         result["tokens"] = read_token_records(run_dir)
     return result
@@ -246,7 +246,7 @@ def test_a_trace_on_megatrons_engine_matches_the_recipe_engines(shared_runs):
     optimizer hands them to .grad before the trace reads them) of megatron's engine at dp=2
     line up with the recipe engine's at dp=1: no module diverges."""
     from recipe.compare.diverge import compare_traces, first_divergence
-    from recipe.training.trace import read_trace
+    from recipe.rundir.traces import read_trace
 
     traced = [*PIPELINE_MODEL, "trainer.trace_steps=[2]"]
     _, recipe = read_trace(shared_runs.run_dir(traced), 2)
@@ -336,7 +336,7 @@ CHECKPOINTED = [*PIPELINE_MODEL, *MEGATRON, "trainer.checkpoint_every=2", "train
 
 
 def _curve(run_dir) -> list[dict]:
-    from recipe.training.loggers import read_metrics
+    from recipe.rundir.metrics import read_metrics
 
     return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir)]
 
@@ -392,8 +392,8 @@ def test_negative_control_a_resume_that_drops_the_optimizer_shards_is_not_bit_ex
 ):
     """The distributed optimizer (at dp=1 it holds one shard of everything) resumed with its
     state left empty: the continued curve must differ, or the test above proves nothing."""
+    from recipe.launch.rank import train
     from recipe.training import megatron_engine
-    from recipe.training.trainer import train
 
     layout = ["trainer.megatron.use_distributed_optimizer=true"]
     whole = shared_runs.run_dir([*CHECKPOINTED, *layout])
@@ -416,7 +416,7 @@ def test_a_skipped_step_leaves_megatrons_weights_and_optimizer_state_untouched(
     update, and a refused step applies nothing (megatron's optimizer.step() is split where its
     own step() splits it). The non-finite norm is injected at step 3."""
     from recipe.data.corpus import load_corpus
-    from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+    from recipe.megatron.cpu_patches import install_cpu_patches, seed_model_parallel_rng
     from recipe.parallel import groups
     from recipe.training.trainer import Trainer
 
@@ -428,7 +428,7 @@ def test_a_skipped_step_leaves_megatrons_weights_and_optimizer_state_untouched(
             f"trainer.megatron.use_distributed_optimizer={str(distributed_optimizer).lower()}",
         ]
     )
-    apply_cpu_compat()
+    install_cpu_patches()
     with groups.parallel_world(cfg.parallel_dims) as layout:
         seed_model_parallel_rng(cfg.trainer.seed)
         trainer = Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data))

@@ -1,4 +1,4 @@
-"""megatron's own engine on a CPU: every patch of recipe/model/megatron_engine_cpu.py is still
+"""megatron's own engine on a CPU: every patch of recipe/megatron/cpu_patches.py is still
 needed (and at the lines recorded for this release). That the patched engine then trains the
 recipe's model to the recipe's numbers is tests/test_megatron_engine.py."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipe.model import megatron_engine_cpu as engine
-from recipe.model.compat import megatron_version
+from recipe.megatron import cpu_patches as engine
+from recipe.megatron.versions import megatron_version
 
 pytestmark = pytest.mark.stack_dependent
 
@@ -60,16 +60,16 @@ def test_the_unpatched_calls_raise_without_cuda():
 
 def test_patches_apply_once_and_change_only_calls_that_would_raise():
     if torch.cuda.is_available():
-        assert engine.apply_megatron_engine_cpu_compat() is False
+        assert engine.install_cpu_patches() is False
         return
     from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.pipeline_parallel import p2p_communication, schedules
 
-    assert engine.apply_megatron_engine_cpu_compat() is True
+    assert engine.install_cpu_patches() is True
     proxy = schedules.torch
     clip = optimizer.clip_grad_by_total_norm_fp32
-    assert engine.apply_megatron_engine_cpu_compat() is True
+    assert engine.install_cpu_patches() is True
     assert schedules.torch is proxy and optimizer.clip_grad_by_total_norm_fp32 is clip
     assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
     assert schedules.torch.zeros(2, device="meta").device.type == "meta"  # others untouched
@@ -83,7 +83,7 @@ def test_patches_apply_once_and_change_only_calls_that_would_raise():
 def test_the_type_shim_lasts_only_for_the_call():
     if torch.cuda.is_available():
         pytest.skip("CUDA is available: the patches are not applied")
-    engine.apply_megatron_engine_cpu_compat()
+    engine.install_cpu_patches()
     from megatron.core.optimizer import optimizer
 
     param = torch.nn.Parameter(torch.ones(3))

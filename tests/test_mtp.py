@@ -55,19 +55,19 @@ def test_mtp_off_builds_no_mtp_and_logs_no_mtp_loss(shared_runs):
 
 
 def _mtp_grad_total(scale: float) -> float:
-    from recipe.model.compat import install_exact_mtp_scaling, prepare_mtp_backward
+    from recipe.model.mtp import MTPBackwardScales
     from recipe.training.step import forward_step, loss_func, plan_step
     from recipe.training.trainer import build_model
 
     with lone_world() as layout:
         cfg = typed_config(COMMON + ["mtp=on", f"mtp.loss_scaling_factor={scale}"])
-        install_exact_mtp_scaling()
+        scales = MTPBackwardScales().install()
         model = build_model(cfg, 259)
         gen = torch.Generator().manual_seed(0)
         seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (30, 17, 45)]
         work = plan_step(seqs, cfg, layout, pad_id=258, device=torch.device("cpu"))
         for batch in work.micro_batches:
-            prepare_mtp_backward(
+            scales.prepare(
                 "exact",
                 work.global_predicted_tokens,
                 work.global_mtp_tokens,
@@ -234,7 +234,7 @@ def test_upstream_mtp_scaling_depends_on_the_layout_where_megatron_has_the_local
     megatron-core >= 0.19 (Megatron-LM PR #3159) weights MTP losses by each rank's local token
     ratio, so cp=2 leaves cp=1's curve by far more than the tolerance; 0.16.1 predates it and
     its own weighting, though not a per-layer mean, does not depend on the layout."""
-    from recipe.model.compat import mtp_loss_has_local_token_ratio
+    from recipe.megatron.versions import mtp_loss_has_local_token_ratio
 
     worst = _worst_relative_difference(shared_runs, "learned_absolute", "upstream", ["cp=2"])
     if mtp_loss_has_local_token_ratio():
@@ -286,13 +286,13 @@ def _mtp_against_gathered_logits(cfg):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+    from recipe.megatron.cpu_patches import install_cpu_patches, seed_model_parallel_rng
     from recipe.parallel import groups
     from recipe.parallel.cp.zigzag import unshard
     from recipe.training.step import forward_step, loss_func, plan_step
     from recipe.training.trainer import build_model
 
-    apply_cpu_compat()
+    install_cpu_patches()
     with groups.parallel_world(cfg.parallel_dims) as layout:
         seed_model_parallel_rng(0)
         model = build_model(cfg, 259)

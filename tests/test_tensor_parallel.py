@@ -64,11 +64,11 @@ def _sequence_parallel_facts(cfg) -> dict:
     norms' gradients agree across tp ranks after the trainer's step (they must: each tp rank
     holds the same parameters)."""
     from recipe.data.corpus import load_corpus
-    from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+    from recipe.megatron.cpu_patches import install_cpu_patches, seed_model_parallel_rng
     from recipe.parallel import groups
     from recipe.training.trainer import Trainer
 
-    apply_cpu_compat()
+    install_cpu_patches()
     with groups.parallel_world(cfg.parallel_dims) as layout:
         seed_model_parallel_rng(0)
         return _facts_of_one_step(Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data)))

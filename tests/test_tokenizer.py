@@ -48,7 +48,7 @@ def test_bad_tokenizer_paths_are_config_errors(tmp_path):
 
 def test_training_with_a_tokenizer_file(tokenizer_file):
     from recipe.data.corpus import load_corpus
-    from recipe.training.trainer import train
+    from recipe.launch.rank import train
     from tests.helpers.config import typed_config
 
     cfg = typed_config(["data=pydoc", f"data.tokenizer={tokenizer_file}", "trainer.max_steps=2"])

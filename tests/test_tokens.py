@@ -15,7 +15,7 @@ from recipe.compare.tokens import compare_token_records, where
 from recipe.data.packing import pack_sequences
 from recipe.parallel.cp.contract import built_in, index_preprocess
 from recipe.parallel.cp.zigzag import local_token_identity
-from recipe.training.tokens import COLUMNS, read_token_records, write_token_records
+from recipe.rundir.tokens import COLUMNS, read_token_records, write_token_records
 from tests.helpers.config import typed_config
 
 RECORDED = [
@@ -102,7 +102,7 @@ def test_the_prefix_runs_flagged_tokens_are_those_its_wrong_positions_reach(runs
     lies at or after its sample's first wrong position, and nearly all such tokens are flagged
     (a few may land within 1e-5 by chance); all lie in back chunks. The MTP depth-1 loss of a
     token reads the next token's embedding, so it may also flag the token just before."""
-    from recipe.training.trace import read_trace
+    from recipe.rundir.traces import read_trace
 
     result = compare_token_records(runs["prefix"], runs["cp1"], ATOL, 2)
     step1 = result.steps[0]
@@ -229,8 +229,8 @@ def test_an_attention_mask_that_leaks_across_sequences_parts_at_core_attention(
     """A test-only fault: attention that ignores the packed sequences' boundaries (every token
     sees the earlier sequences of its micro-batch), the classic packing bug."""
     from recipe.compare.diverge import main as diverge
+    from recipe.launch.rank import train
     from recipe.model import attention
-    from recipe.training.trainer import train
 
     def run(run_dir):
         cfg = typed_config(

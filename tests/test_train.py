@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from recipe.training.loggers import read_metrics
-from recipe.training.trainer import train
+from recipe.launch.rank import train
+from recipe.rundir.metrics import read_metrics
 from tests.helpers.config import typed_config
 from tests.helpers.world import lone_world
 
@@ -105,10 +105,14 @@ def _comparable(record: dict) -> dict:
 
 @pytest.mark.stack_dependent
 def test_a_trainer_resumed_from_its_state_dict_continues_bit_for_bit():
-    """Two steps, state_dict, a fresh trainer loads it and takes two more: the same records as
-    four steps in one go. Restoring the weights alone (no optimizer moments, no data position)
-    must NOT reproduce them, or the check would prove nothing."""
-    import copy
+    """Two steps, state_dict, two more; a fresh trainer loads that state and takes the same two
+    steps: the same records bit for bit, the same as four steps in one go, and the same state
+    after them. The state is what a checkpoint writes (tensors and manifest), a copy that the
+    later steps leave as it was. Restoring the weights alone (no optimizer moments, no data
+    position) must NOT reproduce them, or the check would prove nothing."""
+    import torch
+
+    from recipe.checkpoint import load_full_state
 
     cfg = typed_config(["trainer.max_steps=4", "mtp=on"])
     with lone_world() as layout:
@@ -117,15 +121,22 @@ def test_a_trainer_resumed_from_its_state_dict_continues_bit_for_bit():
 
         first = _trainer(cfg, layout)
         head = [_comparable(first.train_step().to_record()) for _ in range(2)]
-        state = copy.deepcopy(first.state_dict())
+        state = first.state_dict()
+        assert state["manifest"]["step"] == 2 and state["manifest"]["run_id"] == first.run_id
+        tail = [_comparable(first.train_step().to_record()) for _ in range(2)]
+        assert head + tail == straight
+
         resumed = _trainer(cfg, layout)
         resumed.load_state_dict(state)
-        tail = [_comparable(resumed.train_step().to_record()) for _ in range(2)]
-        assert head + tail == straight
+        assert resumed.run_id == first.run_id
+        assert [_comparable(resumed.train_step().to_record()) for _ in range(2)] == tail
         assert resumed.step == 4 and resumed.steps.state_dict() == whole.steps.state_dict()
+        now, expected = resumed.state_dict()["tensors"], first.state_dict()["tensors"]
+        assert now.keys() == expected.keys()
+        assert [k for k in expected if not torch.equal(now[k], expected[k])] == []
 
         weights_only = _trainer(cfg, layout)
-        weights_only.model.load_state_dict(state["model"])
+        load_full_state(state["tensors"], weights_only.model, 0, 1)  # moments left unused
         weights_only.step = 2
         wrong = [_comparable(weights_only.train_step().to_record()) for _ in range(2)]
         assert [r["lm_loss"] for r in wrong] != [r["lm_loss"] for r in tail]

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 
-from recipe.check_upstream import case_finding, check_target, main
+from recipe.checks.upstream import case_finding, check_target, main
+from recipe.config.preprocess import parse_preprocess
 from recipe.parallel.cp.contract import first_mismatch
 from recipe.upstream.adapters import (
     LIBRARIES,
     ParallelStateStandIn,
-    is_preprocess_spec,
     load,
     parse_preprocess_spec,
 )
@@ -188,7 +188,8 @@ def test_training_spellings_of_a_released_function():
     assert parse_preprocess_spec("verl@installed")[:2] == ("verl", None)
     spec = "megatron-bridge@0.6.2/exaone45.preprocess_packed_seqs"
     assert parse_preprocess_spec(spec)[2] is EXAONE45
-    assert is_preprocess_spec("verl@0.7.1") and not is_preprocess_spec("my.module:fn")
+    assert parse_preprocess("verl@0.7.1").kind == "release"
+    assert parse_preprocess("my.module:fn").kind == "function"
     for bad, why in [("verl@", "names no version"), ("nope@1", "unknown library"),
                      ("verl@0.9.1/nope", "no checked function")]:  # fmt: skip
         with pytest.raises(UpstreamUnavailable, match=why):
@@ -197,7 +198,7 @@ def test_training_spellings_of_a_released_function():
 
 def test_training_refuses_a_release_that_cannot_be_had_at_start_up():
     from recipe.errors import ConfigError
-    from recipe.training.trainer import check_preprocess_function
+    from recipe.launch.preflight import check_preprocess_function
 
     check_preprocess_function("index")  # not a release: nothing to fetch
     with pytest.raises(ConfigError, match=r"cp.preprocess=verl@0.0.0: pip cannot fetch"):
@@ -207,10 +208,12 @@ def test_training_refuses_a_release_that_cannot_be_had_at_start_up():
 def test_the_start_up_check_stops_a_wrong_release_and_names_the_checker():
     from recipe.parallel.cp.contract import global_batch
     from recipe.parallel.cp.shard import PreprocessMismatch, shard_batch
+    from recipe.training.preprocess import load_preprocess
 
     batch = global_batch([[5, 6, 7], list(range(1, 10))], cp_size=2, tp_size=1)
+    loaded = load_preprocess("verl@0.7.1")
     with pytest.raises(PreprocessMismatch) as caught:
-        shard_batch(batch, 2, 1, "verl@0.7.1", check=True)
+        shard_batch(batch, 2, 1, "verl@0.7.1", check=True, loaded=loaded)
     assert "position_ids expected" in str(caught.value)
     assert "python -m recipe.check_upstream verl@0.7.1" in str(caught.value)
 

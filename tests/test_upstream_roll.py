@@ -1,4 +1,4 @@
-"""megatron-core's MTP roll_tensor under THD + CP on real gloo ranks (recipe/upstream/mtp_roll.py).
+"""megatron-core's MTP roll_tensor under THD + CP on real gloo ranks (recipe/checks/mtp_roll.py).
 
 What megatron does was measured on both supported releases and is asserted here as found:
 with the padded offsets in cu_seqlens_q (verl's way, and the recipe's) the roll is right; with the
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from recipe.model.compat import megatron_version
-from recipe.upstream import mtp_roll
+from recipe.checks import mtp_roll
+from recipe.megatron.versions import megatron_version
 
 # Lengths around the zigzag units at cp=2 (4) and cp=4 (8): 1, shorter than 2*cp, k*2cp-1,
 # k*2cp, k*2cp+1, several sequences per micro-batch.
@@ -197,7 +197,7 @@ def test_negative_control_names_a_missing_line(monkeypatch):
 @pytest.mark.launches
 @pytest.mark.stack_dependent
 def test_the_cli_checks_the_installed_megatron_core(capsys):
-    from recipe.check_upstream import main
+    from recipe.checks.upstream import main
 
     assert main(["megatron-core", "--cases", "4", "--fixed", "cu_seqlens_q=unpadded"]) == 1
     out = capsys.readouterr().out
@@ -219,7 +219,7 @@ def test_the_cli_checks_the_installed_megatron_core(capsys):
     ],
 )
 def test_the_cli_refuses_what_megatron_core_cannot_check(argv, message, capsys):
-    from recipe.check_upstream import main
+    from recipe.checks.upstream import main
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err

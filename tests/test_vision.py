@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from recipe.config import ConfigError
 from recipe.data.packing import attach_images, pack_sequences
 from recipe.data.shapes import COLOURS, NUM_CAPTIONS, caption, render, shapes_dataset
+from recipe.launch.rank import train
 from recipe.model.mtp import mtp_label_masks, predicted_token_counts, rolled_loss_masks
-from recipe.training.trainer import train
 from tests.helpers.config import typed_config
 from tests.helpers.world import lone_world
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipe.parallel.layout import ParallelDims
+from recipe.config.layout import ParallelDims
 from tests.helpers.world import WorldFailed, WorldPool
 
 pytestmark = pytest.mark.distributed

@@ -2,7 +2,7 @@
 
 hydra/launcher=slurm submits one SLURM job array per world size of the sweep, each job with
 tp*cp*dp tasks and one GPU per task (recipe/launch/sweep_jobs.py sizes them); its tasks are the
-job's ranks (recipe/launch/environment.py reads them). hydra/launcher=local_tasks runs the same
+job's ranks (recipe/environment.py reads them). hydra/launcher=local_tasks runs the same
 path on this machine with submitit's local executor, no SLURM needed: that is how it is tested.
 In each job only task 0 writes Hydra's files and logs; the other tasks share its directory.
 

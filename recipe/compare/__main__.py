@@ -23,7 +23,7 @@ from recipe.compare.report import render_markdown
 from recipe.compare.runs import find_runs, load_run
 from recipe.compare.tokens import compare_records, compare_token_records, render_token_report
 from recipe.names import FP32_RTOL, FP32_TOKEN_ATOL
-from recipe.training.tokens import read_token_records
+from recipe.rundir.tokens import read_token_records
 
 
 def main(argv: list[str] | None = None) -> int:

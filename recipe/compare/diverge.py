@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recipe.training.trace import read_trace
+from recipe.rundir.traces import read_trace
 
 DEFAULT_RTOL = 1e-4
 """fp32 runs at different cp agree to about 1e-6 relative per module; a bug gives 1e-2 and more."""

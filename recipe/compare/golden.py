@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from recipe.compare.runs import Run, load_run
-from recipe.training.tokens import read_token_records
+from recipe.rundir.tokens import read_token_records
 
 GOLDEN_FORMAT = 1
 

@@ -11,12 +11,8 @@ from pathlib import Path
 from recipe.compare.diff import DEFAULT_METRICS, Comparison, all_passed, compare_all
 from recipe.compare.plot import plot_comparisons
 from recipe.compare.runs import Run, run_labels
-from recipe.compare.tokens import (
-    TOKEN_ATOL,
-    compare_token_records,
-    has_token_records,
-    render_token_report,
-)
+from recipe.compare.tokens import TOKEN_ATOL, compare_token_records, render_token_report
+from recipe.rundir.tokens import has_token_records
 
 
 def _fmt(value: float | None, spec: str = ".3e") -> str:

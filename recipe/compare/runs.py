@@ -11,7 +11,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipe.training.loggers import METRICS_FILE, parse_metrics_lines
+from recipe.rundir.job_files import read_job_config
+from recipe.rundir.layout import METRICS_FILE, metrics_path
+from recipe.rundir.metrics import parse_metrics_lines
 
 # Config keys that say nothing about what a run computed: where it wrote and how it logged.
 IGNORED_PREFIXES = (
@@ -66,7 +68,7 @@ def _flatten(node, prefix: str = "") -> dict[str, object]:
 
 def load_run(path: str | Path) -> Run:
     path = Path(path)
-    metrics_file = path / METRICS_FILE
+    metrics_file = metrics_path(path)
     if not metrics_file.exists():
         raise FileNotFoundError(f"{path} has no {METRICS_FILE}: not a run directory")
     try:
@@ -74,12 +76,8 @@ def load_run(path: str | Path) -> Run:
     except ValueError as err:
         raise ValueError(f"{metrics_file}: {err}") from err
     notes = [f"ignored a line cut short by a kill ({n}) of {METRICS_FILE}" for n in cut]
-    config = {}
-    config_file = path / ".hydra" / "config.yaml"
-    if config_file.exists():
-        from omegaconf import OmegaConf
-
-        config = _flatten(OmegaConf.to_container(OmegaConf.load(config_file), resolve=False))
+    job_config = read_job_config(path)
+    config = {} if job_config is None else _flatten(job_config)
     return Run(path=path, metrics=metrics, config=config, notes=notes)
 
 
@@ -87,7 +85,7 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
     """Run directories from the given paths; a directory without metrics (a sweep) is searched."""
     runs = []
     for p in map(Path, paths):
-        if (p / METRICS_FILE).exists():
+        if metrics_path(p).exists():
             runs.append(load_run(p))
             continue
         found = sorted({m.parent for m in p.rglob(METRICS_FILE)}, key=_natural_key)

@@ -35,7 +35,8 @@ from recipe.compare.report import PLOT_FILE, REPORT_FILE, write_report
 from recipe.compare.runs import find_runs
 from recipe.config import CompareConfig, ConfigError
 from recipe.environment import read_environment
-from recipe.training.loggers import METRICS_FILE
+from recipe.rundir.layout import LOCK_FILE
+from recipe.rundir.metrics import has_metrics
 
 
 def count_sweep_jobs(config: DictConfig) -> int | None:
@@ -74,7 +75,7 @@ def record_job(sweep_dir: Path, job_num: int, output_dir: Path, error: str | Non
     entry = {
         "num": int(job_num),
         "output_dir": str(output_dir),
-        "metrics": (output_dir / METRICS_FILE).exists(),
+        "metrics": has_metrics(output_dir),
         "error": error,
     }
     partial = jobs / f".{job_num}.json.partial"
@@ -96,7 +97,7 @@ def recorded_jobs(sweep_dir: Path) -> tuple[list[Path], list[tuple[str, str]]]:
 def _report_lock(sweep_dir: Path):
     """Jobs that end at the same moment take turns writing the report."""
     (sweep_dir / JOBS_DIR).mkdir(parents=True, exist_ok=True)
-    with open(sweep_dir / JOBS_DIR / ".lock", "a") as lock:
+    with open(sweep_dir / JOBS_DIR / LOCK_FILE, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 

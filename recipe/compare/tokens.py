@@ -18,14 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from recipe.names import FP32_TOKEN_ATOL
-from recipe.training.tokens import TOKENS_DIR, loss_columns, read_token_records
+from recipe.rundir.tokens import loss_columns, read_token_records
 
 TOKEN_ATOL = FP32_TOKEN_ATOL
 """Largest absolute per-token loss difference that passes (fp32 on CPU)."""
-
-
-def has_token_records(run_dir: str | Path) -> bool:
-    return any((Path(run_dir) / TOKENS_DIR).glob("step_*.npz"))
 
 
 @dataclass

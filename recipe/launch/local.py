@@ -20,13 +20,13 @@ from recipe.log import quiet_libraries
 
 
 @record
-def _worker(cfg: TrainConfig) -> dict:
+def _worker(cfg: TrainConfig, checked=None) -> dict:
     quiet_libraries()
+    from recipe.launch.rank import train
     from recipe.training.preemption import Preempted
-    from recipe.training.trainer import train
 
     try:
-        return train(cfg)
+        return train(cfg, checked)
     except Preempted as err:  # the parent, signalled too, reports it; exit as the signal says
         if err.requeue_outcome:
             print(err.requeue_outcome, file=sys.stderr)
@@ -64,8 +64,10 @@ def check_launchable(cfg: TrainConfig) -> None:
         )
 
 
-def launch_world(cfg: TrainConfig, entrypoint=_worker) -> dict:
+def launch_world(cfg: TrainConfig, entrypoint=_worker, checked=None) -> dict:
     """Start cfg.world_size local ranks running `entrypoint(cfg)`; returns rank 0's result.
+    `checked` (a `recipe.launch.preflight.Preflight`): what this process's start-up check
+    resolved, handed to every rank of the default entrypoint (which then checks no more).
 
     A rank that fails takes the others down at once (the agent watches every 0.1 s); its error
     comes back as RanksFailed.
@@ -92,12 +94,13 @@ def launch_world(cfg: TrainConfig, entrypoint=_worker) -> dict:
     level = elastic_log.level
     elastic_log.setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(launch_cfg, entrypoint=entrypoint)(cfg)
+        args = (cfg,) if checked is None else (cfg, checked)
+        results = elastic_launch(launch_cfg, entrypoint=entrypoint)(*args)
     except ChildFailedError as err:
         signum = stopped_by_signal([f.exitcode for f in err.failures.values()])
         if signum:  # a rank was signalled, every rank stopped at the step boundary with it
             raise RanksStopped(signum, by_rank=True) from None
-        raise RanksFailed(_describe_failures(err.failures)) from None
+        raise RanksFailed(describe_failures(err.failures)) from None
     except SignalException as err:  # the agent has already ended the ranks
         raise RanksStopped(err.sigval) from None
     finally:
@@ -147,7 +150,7 @@ LOST_PEER_MARKERS = (
 )
 
 
-def _describe_failures(failures: dict) -> str:
+def describe_failures(failures: dict) -> str:
     """The root failure in full, then one line per other failed rank.
 
     When one rank dies, its peers' collectives fail too and the launcher may notice them first;
@@ -216,10 +219,10 @@ def _failure_text(failure) -> str:
 def lone_world(seed: int = 0):
     """This process as a world of one, with megatron's parallel state, for building and running
     models outside a training run (tests, scripts); torn down afterwards."""
-    from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
+    from recipe.megatron.cpu_patches import install_cpu_patches, seed_model_parallel_rng
     from recipe.parallel import groups
 
-    apply_cpu_compat()
+    install_cpu_patches()
     with groups.parallel_world() as layout:
         seed_model_parallel_rng(seed)
         yield layout

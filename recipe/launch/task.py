@@ -15,20 +15,22 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from recipe.checkpoint import resolve_resume
 from recipe.config import ConfigError, TrainConfig
-from recipe.environment import ProcessEnvironment, adopt_environment, launched_world_problem
+from recipe.environment import ProcessEnvironment, adopt_environment
 from recipe.errors import RecipeError
 from recipe.launch.local import RanksStopped, check_launchable, launch_world
-from recipe.launch.rundir import claim_run_directory
-from recipe.log import get_logger, quiet_libraries
-from recipe.training.checkpoint import (
-    read_manifest,
-    resolve_resume,
-    resume_differences,
+from recipe.launch.preflight import (
+    Preflight,
+    check_launched_world,
+    check_resumable,
+    check_run_choices,
 )
-from recipe.training.loggers import METRICS_FILE, run_id_in
+from recipe.launch.rank import train
+from recipe.log import get_logger, quiet_libraries
+from recipe.rundir.claim import claim_run_directory
+from recipe.rundir.job_files import write_job_files
 from recipe.training.preemption import Preempted
-from recipe.training.trainer import check_run_choices, train
 
 log = get_logger(__name__)
 
@@ -78,15 +80,15 @@ def run(cfg: DictConfig):
         if env.rank == 0:
             resuming = typed.trainer.resume is not None
             run_dir_lock = claim_run_directory(typed.output_dir, resuming)  # noqa: F841
-        check_resumable(typed)
+        checked = Preflight(checkpoint=check_resumable(typed))
         if env.rank == 0:
             write_job_files(typed.output_dir, cfg, hydra_cfg)
         if multirun:
             group_sweep_in_wandb(typed, list(hydra_cfg.overrides.task))
         if typed.world_size == 1 or env.external:
-            result = train(typed)
+            result = train(typed, checked)
         else:
-            result = launch_world(typed)
+            result = launch_world(typed, checked=checked)
     except RanksStopped as err:
         log.error(f"{err}; {_how_to_continue(typed.output_dir)}")
         raise SystemExit(err.exit_code) from None
@@ -112,64 +114,12 @@ def run(cfg: DictConfig):
     return summary.get("final_eval_lm_loss")
 
 
-def check_launched_world(cfg: TrainConfig, env: ProcessEnvironment) -> None:
-    """A launcher's world (torchrun, an sbatch allocation, a submitit job) that is not tp*cp*dp
-    is refused before any rendezvous, with the launch that would fit."""
-    dims = cfg.parallel_dims
-    problem = launched_world_problem(env, dims.tp, dims.cp, dims.dp, dims.pp)
-    if problem:
-        raise ConfigError(problem)
-
-
 def _rank_and_host(env: ProcessEnvironment) -> str:
     """`rank 3 on node7: ` for a rank of a launched world; empty for a lone process, whose
     self-launched ranks are named by the launcher's failure report."""
     import socket
 
     return f"rank {env.rank} on {socket.gethostname()}: " if env.external else ""
-
-
-def check_resumable(cfg: TrainConfig) -> None:
-    """Before any rank starts: the checkpoint trainer.resume names exists, fits this config, and
-    belongs to the run whose metrics this run directory holds (if it holds any)."""
-    checkpoint = resolve_resume(cfg.trainer.resume, cfg.output_dir)
-    if checkpoint is not None:
-        manifest = read_manifest(checkpoint)
-        resume_differences(manifest, cfg)
-        check_same_run(cfg.output_dir, checkpoint, manifest.get("run_id"))
-
-
-def check_same_run(output_dir: str | None, checkpoint: Path, checkpoint_run: str | None) -> None:
-    """Resuming into a directory that holds another run's metrics would mix two runs in one
-    metrics.jsonl (and replace its summary): refused. The runs' ids decide; for runs written
-    before ids, a checkpoint from outside this directory counts as another run."""
-    if output_dir is None:
-        return
-    metrics = Path(output_dir) / METRICS_FILE
-    if not metrics.is_file() or metrics.stat().st_size == 0:
-        return  # a new directory gets the checkpoint's records: the run continues there
-    here = run_id_in(output_dir)
-    inside = Path(output_dir).resolve() in Path(checkpoint).resolve().parents
-    same = here == checkpoint_run if here and checkpoint_run else inside
-    if not same:
-        whose = f"run {here}" if here else "another run"
-        raise ConfigError(
-            f"run directory {output_dir} holds the metrics of {whose}; checkpoint {checkpoint} "
-            f"belongs to {'run ' + checkpoint_run if checkpoint_run else 'another run'}. Resume "
-            "into a new hydra.run.dir (the checkpoint's records are copied there) or into the "
-            "checkpoint's own run directory"
-        )
-
-
-def write_job_files(output_dir: str, cfg: DictConfig, hydra_cfg) -> None:
-    """`.hydra/` (config.yaml, hydra.yaml, overrides.yaml) as Hydra writes it, but only once the
-    job is accepted: Hydra's own copy is off (hydra.output_subdir=null), since it would rewrite
-    the files of the run a refused job found in its directory."""
-    folder = Path(output_dir) / ".hydra"
-    folder.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, folder / "config.yaml")
-    OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), folder / "hydra.yaml")
-    OmegaConf.save(OmegaConf.create(list(hydra_cfg.overrides.task)), folder / "overrides.yaml")
 
 
 def _how_to_continue(output_dir: str) -> str:
@@ -185,7 +135,6 @@ def _how_to_continue(output_dir: str) -> str:
 def group_sweep_in_wandb(cfg: TrainConfig, overrides: list[str]) -> None:
     """Jobs of one sweep share a wandb group (the sweep directory) and carry their overrides as
     tags, so the sweep can be compared in the wandb UI as in the parity report."""
-    from pathlib import Path
 
     sweep_dir = Path(cfg.output_dir).parent
     wandb_cfg = cfg.logger.wandb

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from recipe.data.packing import PackedBatch
 from recipe.environment import cuda_available
-from recipe.model.compat import silence_known_warnings
+from recipe.megatron.log_filters import silence_known_warnings
 
 
 def resolve_attention_backend(name: str) -> str:

@@ -13,13 +13,13 @@ import os
 import torch
 import torch.distributed as dist
 
+from recipe.config.layout import ParallelDims, ParallelLayout
 from recipe.environment import (
     ProcessEnvironment,
     collective_backend,
     gpu_sharing,
     read_environment,
 )
-from recipe.parallel.layout import ParallelDims, ParallelLayout
 
 
 def _free_port() -> int:
@@ -91,7 +91,7 @@ def init_distributed(
         raise RuntimeError(
             f"rank {layout.rank}: megatron places it at (tp, cp, dp, pp) = {megatron_says}, the "
             f"recipe's layout at {recipe_says}; the rank "
-            "order of megatron-core changed and recipe/parallel/layout.py must follow it"
+            "order of megatron-core changed and recipe/config/layout.py must follow it"
         )
     return layout
 

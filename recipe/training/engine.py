@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from recipe.checkpoint.optimizer_state import load_torch_optimizer_state, torch_optimizer_state
 from recipe.parallel import collectives, groups
-from recipe.training.checkpoint import load_torch_optimizer_state, torch_optimizer_state
 from recipe.training.optimizer import build_optimizer, grad_norm, lr_at, set_lr
 
 

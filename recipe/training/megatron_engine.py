@@ -7,7 +7,7 @@ optimizer too), `OptimizerParamScheduler` for the learning rate and weight decay
 `forward_step(data_iterator, model)` / loss function pair in Megatron-LM's contract, and
 `finalize_model_grads`. The recipe adds nothing to the numbers but what a config option names
 (`trainer.megatron.sync_mtp_position_embeddings`); on a CPU the CUDA-only calls megatron makes
-are neutralised from outside first (recipe/model/megatron_engine_cpu.py).
+are neutralised from outside first (recipe/megatron/cpu_patches.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import inspect
 
 import torch
 
-from recipe.model.megatron_engine_cpu import apply_megatron_engine_cpu_compat
+from recipe.checkpoint.optimizer_state import load_torch_optimizer_state, torch_optimizer_state
 from recipe.parallel import collectives, groups
-from recipe.training.checkpoint import load_torch_optimizer_state, torch_optimizer_state
 from recipe.training.micro_batch import REPORT
 
 
@@ -68,7 +67,6 @@ class MegatronEngine:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        apply_megatron_engine_cpu_compat()
         self.model = model
         self.cfg = cfg
         self.layout = layout

@@ -15,12 +15,7 @@ import functools
 
 import torch
 
-from recipe.model.compat import (
-    captured_token_losses,
-    confirm_mtp_backward_taken,
-    prepare_mtp_backward,
-    take_mtp_loss_means,
-)
+from recipe.model.mtp import MTPBackwardScales, captured_token_losses, take_mtp_loss_means
 from recipe.model.numerics import autocast
 from recipe.training.step import LM, ForwardOutput, StepWork, loss_func, model_call
 from recipe.training.tokens import token_rows
@@ -44,11 +39,14 @@ class MicroBatchPass:
         gradient_divisor: float | None = None,
         token_rows_out: list | None = None,
         trace=None,
+        mtp_scales: MTPBackwardScales | None = None,
     ):
         """`gradient_divisor`: what the engine divides every gradient by after backward
         (megatron's finalize_model_grads: the step's global token count with per-token losses;
         its DDP: dp x cp otherwise); None for the recipe's engine, which divides before. The
-        exact MTP scales are multiplied by it, so they mean the same after the division."""
+        exact MTP scales are multiplied by it, so they mean the same after the division.
+        `mtp_scales`: the run's MTP backward scales, installed where megatron calls its
+        autoscaler when mtp.scaling=exact (the model's builder's)."""
         self.work = work
         self.cfg = cfg
         self.layout = layout
@@ -58,6 +56,7 @@ class MicroBatchPass:
         self.gradient_divisor = gradient_divisor
         self.token_rows_out = token_rows_out
         self.trace = trace
+        self.mtp_scales = mtp_scales if mtp_scales is not None else MTPBackwardScales()
         self.names = work.report_names if training else [LM]  # evaluation: no MTP
 
     def forward(self, index: int, model):
@@ -72,7 +71,7 @@ class MicroBatchPass:
             self.trace.micro_batch(batch, work.samples[index])
         mtp = self.training and bool(work.global_mtp_tokens) and self.layout.is_last_stage
         if mtp:
-            prepare_mtp_backward(
+            self.mtp_scales.prepare(
                 cfg.mtp.scaling,
                 work.global_predicted_tokens,
                 work.global_mtp_counts,
@@ -96,7 +95,7 @@ class MicroBatchPass:
         ):
             output = model_call(batch, model, cfg.passes_position_ids)
         if mtp:
-            confirm_mtp_backward_taken()
+            self.mtp_scales.confirm_taken()
         return output, functools.partial(self.loss, index, captured)
 
     def loss(self, index: int, captured: list | None, output: torch.Tensor):

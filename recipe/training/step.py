@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import torch
 
 from recipe.config import TrainConfig
+from recipe.config.layout import ParallelLayout
 from recipe.data.batching import plan_micro_batches, split_across_ranks
 from recipe.data.packing import PackedBatch, attach_images, pack_sequences
 from recipe.data.thd import aligned_length
-from recipe.model.compat import take_mtp_loss_means
 from recipe.model.gpt import packed_seq_params
-from recipe.model.mtp import predicted_token_counts, rolled_loss_masks
+from recipe.model.mtp import predicted_token_counts, rolled_loss_masks, take_mtp_loss_means
 from recipe.parallel.cp.shard import shard_batch
-from recipe.parallel.layout import ParallelLayout
+from recipe.training.preprocess import load_preprocess
 
 LM = "lm"
 
@@ -88,6 +88,7 @@ def plan_step(
     mine = per_rank[layout.dp_rank]
     mtp_layers = cfg.mtp.num_layers if cfg.mtp.enabled else 0
     micro_batches = []
+    loaded = load_preprocess(cfg.cp.preprocess) if layout.cp_size > 1 else None
     for micro in plans[layout.dp_rank]:
         chosen = [sequences[mine[j]] for j in micro]
         batch = pack_sequences(chosen, alignment, pad_id)
@@ -103,6 +104,7 @@ def plan_step(
             cfg.cp.preprocess,
             tp_size=layout.tp_size,
             check=check_preprocess,
+            loaded=loaded,
         )
         micro_batches.append(local.to(device))
     predicted, mtp_targets = predicted_token_counts(sequences, mtp_layers, image_token_id)

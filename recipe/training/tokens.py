@@ -5,33 +5,23 @@ lm_loss, dp rank, cp rank, chunk, and with mtp=on one mtp_loss_k per depth): `sa
 sequence's index within the step (steps hold the same whole sequences in the same order at every
 layout), `position` its place in the sequence, derived from the zigzag index, not from
 position_ids, so the identity stays right when the preprocessing is wrong. Rank 0 gathers them,
-sorts them into global order and writes `<run dir>/tokens/step_NNNNNNNN.npz`; two runs' records
-then line up token for token whatever their layouts (`python -m recipe.compare A B --per-token`).
+sorts them into global order and writes `<run dir>/tokens/step_NNNNNNNN.npz` (the file is
+recipe/rundir/tokens.py's); two runs' records then line up token for token whatever their
+layouts (`python -m recipe.compare A B --per-token`).
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-import numpy as np
 import torch
 
 from recipe.parallel.cp.zigzag import local_token_identity
-
-TOKENS_DIR = "tokens"
-COLUMNS = ("sample", "position", "lm_loss", "dp_rank", "cp_rank", "chunk")
-_INTEGER = ("sample", "position", "dp_rank", "cp_rank", "chunk")
+from recipe.rundir.tokens import COLUMNS
 
 
 def token_columns(mtp_layers: int) -> tuple[str, ...]:
     """COLUMNS, then `mtp_loss_1` ... one per MTP depth: the loss of predicting the token k+1
     ahead from this one, NaN where that token is outside the sequence."""
     return COLUMNS + tuple(f"mtp_loss_{k + 1}" for k in range(mtp_layers))
-
-
-def loss_columns(records: dict) -> list[str]:
-    return [name for name in records if name == "lm_loss" or name.startswith("mtp_loss_")]
 
 
 def token_rows(
@@ -69,35 +59,3 @@ def token_rows(
         dim=1,
     )
     return rows[predicted]
-
-
-def write_token_records(
-    run_dir: str | Path, step: int, parts: list[torch.Tensor], names=COLUMNS
-) -> Path:
-    """Every rank's rows of one step, in global order (sample, position), to an npz file."""
-    rows = torch.cat([p for p in parts if p.numel()] or [torch.zeros(0, len(names))]).numpy()
-    order = np.lexsort((rows[:, 1], rows[:, 0]))
-    rows = rows[order]
-    columns = {
-        name: rows[:, i].astype(np.int64 if name in _INTEGER else np.float64)
-        for i, name in enumerate(names)
-    }
-    directory = Path(run_dir) / TOKENS_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step_{step:08d}.npz"
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **columns)
-    os.replace(tmp, path)
-    return path
-
-
-def read_token_records(run_dir: str | Path) -> dict[int, dict[str, np.ndarray]]:
-    """{step: {column: array}} of a run's per-token records (empty when it recorded none)."""
-    directory = Path(run_dir) / TOKENS_DIR
-    records = {}
-    for path in sorted(directory.glob("step_*.npz")) if directory.is_dir() else []:
-        if path.name.endswith(".tmp.npz"):
-            continue
-        with np.load(path) as data:
-            records[int(path.stem.split("_")[1])] = {k: data[k] for k in data.files}
-    return records

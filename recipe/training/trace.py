@@ -5,23 +5,21 @@ module's output on every real token (padding excluded), tagged with the token's 
 sample and position (from the zigzag index, not from position_ids) and its `room`, how many tokens
 of its sequence follow it (MTP depth k has a target only where room > k); after the gradient
 all-reduce every parameter's gradient is kept too. Rank 0 gathers the ranks' pieces, sorts each
-module's rows into (sample, position) order and writes `<run dir>/trace/step_NNNNNNNN.pt`. Two
-runs at different layouts then line up row for row and `python -m recipe.compare.diverge A B`
-names the first module, in execution order, where they part. Meant for small models: every
-activation of the step is kept (hidden 64, 4k tokens, 30 modules: about 60 MB).
+module's rows into (sample, position) order and writes `<run dir>/trace/step_NNNNNNNN.pt`
+(recipe/rundir/traces.py). Two runs at different layouts then line up row for row and
+`python -m recipe.compare.diverge A B` names the first module, in execution order, where they
+part. Meant for small models: every activation of the step is kept (hidden 64, 4k tokens, 30
+modules: about 60 MB).
 """
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
 from recipe.parallel.cp.zigzag import local_token_identity
 
-TRACE_DIR = "trace"
 # Modules whose output is a table (rope) or per-patch values (the vision encoder), not per-token
 # values, though one of its sizes may equal the token count.
 _NOT_PER_TOKEN = ("rotary_pos_emb", "vision_")
@@ -91,42 +89,3 @@ def gradients_of(model) -> dict[str, torch.Tensor]:
         for name, p in model.named_parameters()
         if p.grad is not None
     }
-
-
-def write_trace(run_dir: str | Path, step: int, rank_traces: list[dict], grads: dict) -> Path:
-    """Merge every rank's trace into global (sample, position) order and write it."""
-    order = list(rank_traces[0]["order"])
-    for trace in rank_traces[1:]:
-        order += [name for name in trace["order"] if name not in order]
-    modules = {}
-    for name in order:
-        parts = [t["modules"][name] for t in rank_traces if name in t["modules"]]
-        sample, position, values, room = (torch.cat([p[i] for p in parts]) for i in range(4))
-        key = sample * (int(position.max()) + 1 if position.numel() else 1) + position
-        index = torch.argsort(key, stable=True)
-        modules[name] = {
-            "sample": sample[index],
-            "position": position[index],
-            "values": values[index],
-            "room": room[index],
-        }
-    directory = Path(run_dir) / TRACE_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step_{step:08d}.pt"
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"order": order, "modules": modules, "grads": grads}, tmp)
-    os.replace(tmp, path)
-    return path
-
-
-def read_trace(run_dir: str | Path, step: int | None = None) -> tuple[int, dict]:
-    """(step, trace) of a run: the given step, or its first traced one."""
-    directory = Path(run_dir) / TRACE_DIR
-    found = sorted(directory.glob("step_*.pt")) if directory.is_dir() else []
-    if not found:
-        raise FileNotFoundError(f"{run_dir} has no trace (run it with trainer.trace_steps=[1])")
-    steps = {int(p.stem.split("_")[1]): p for p in found}
-    chosen = min(steps) if step is None else step
-    if chosen not in steps:
-        raise FileNotFoundError(f"{run_dir} traced steps {sorted(steps)}, not step {step}")
-    return chosen, torch.load(steps[chosen], weights_only=True)

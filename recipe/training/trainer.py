@@ -11,62 +11,52 @@ dp=1 update. The Trainer holds model, optimizer, data stream and step counter, a
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import uuid
 from pathlib import Path
 
 import torch
 
-from recipe.config import TrainConfig
-from recipe.data.batching import StepStream, chunk_for_eval
-from recipe.data.corpus import Corpus, load_corpus
-from recipe.data.fingerprint import data_fingerprint
-from recipe.data.thd import aligned_length
-from recipe.environment import cuda_available, read_environment
-from recipe.errors import ConfigError, StepRefused
-from recipe.log import get_logger
-from recipe.model.compat import (
-    check_te_cp_comm_type,
-    install_exact_mtp_scaling,
-    transformer_engine_version,
-)
-from recipe.model.cpu_compat import apply_cpu_compat, seed_model_parallel_rng
-from recipe.model.gpt import whole_model_names
-from recipe.model.megatron_engine_cpu import apply_megatron_engine_cpu_compat
-from recipe.model.numerics import (
-    apply_determinism,
-    check_backend_and_precision,
-    resolve_precision,
-)
-from recipe.parallel import collectives, groups
-from recipe.parallel.layout import ParallelLayout
-from recipe.training.checkpoint import (
-    CHECKPOINTS_DIR,
-    FORMAT_VERSION,
-    config_fingerprint,
+from recipe.checkpoint import (
+    checkpoint_manifest,
     full_state,
     load_full_state,
     read_manifest,
-    resolve_resume,
+    read_tensors,
     resume_differences,
     save_checkpoint,
-    set_aside_newer,
 )
+from recipe.config import TrainConfig
+from recipe.config.layout import ParallelLayout
+from recipe.data.batching import StepStream, chunk_for_eval
+from recipe.data.corpus import Corpus
+from recipe.data.fingerprint import data_fingerprint
+from recipe.data.thd import aligned_length
+from recipe.errors import StepRefused
+from recipe.log import get_logger
+from recipe.model.gpt import whole_model_names
+from recipe.model.mtp import MTPBackwardScales
+from recipe.model.numerics import (
+    resolve_precision,
+)
+from recipe.parallel import collectives, groups
+from recipe.rundir.layout import checkpoints_dir
+from recipe.rundir.tokens import write_token_records
+from recipe.rundir.traces import write_trace
 from recipe.training.engine import build_engine, pipeline_sum
 from recipe.training.guard import StepGuard
-from recipe.training.loggers import NullLogger, RunLogger
+from recipe.training.loggers import NullLogger
 from recipe.training.metrics import StepMetrics, mtp_layer_means, optimised_loss, summarize
 from recipe.training.micro_batch import MicroBatchPass
-from recipe.training.preemption import Preempted, StopRequests, requeue_slurm_job
+from recipe.training.preemption import Preempted, StopRequests
 from recipe.training.step import StepWork, plan_step
 from recipe.training.throughput import (
     device_peak_tflops,
     linear_parameter_count,
     model_flops_per_step,
 )
-from recipe.training.tokens import token_columns, write_token_records
-from recipe.training.trace import ActivationTrace, gradients_of, write_trace
+from recipe.training.tokens import token_columns
+from recipe.training.trace import ActivationTrace, gradients_of
 
 _log = get_logger(__name__)
 
@@ -100,8 +90,10 @@ class Trainer:
         self.precision = resolve_precision(cfg.trainer.precision, device)
         """fp32 or bf16 (autocast around every forward), resolved for this device."""
         self.corpus = corpus
-        if cfg.trainer.engine == "megatron":  # before the model: a pipeline stage needs it
-            apply_megatron_engine_cpu_compat()
+        self.mtp_scales = MTPBackwardScales()
+        """The MTP backward scales of every micro-batch (mtp.scaling=exact: installed here)."""
+        if cfg.mtp.enabled and cfg.mtp.scaling == "exact":
+            self.mtp_scales.install()
         self.model = build_model(cfg, corpus.vocab_size, device, layout.cp_rank)
         """This rank's model (its pipeline stage at parallel.pp > 1), unwrapped."""
         self.engine = build_engine(self.model, cfg, layout)
@@ -122,7 +114,7 @@ class Trainer:
         """Optimizer steps taken."""
         self.history: list[dict] = []
         """metrics.jsonl records of the steps taken."""
-        self.checkpoint_dir = Path(cfg.output_dir) / CHECKPOINTS_DIR if cfg.output_dir else None
+        self.checkpoint_dir = checkpoints_dir(cfg.output_dir) if cfg.output_dir else None
         self.whole_names = whole_model_names(self.model) if layout.pp_size > 1 else None
         """At parallel.pp > 1, each parameter's name in the whole model (checkpoints)."""
         # the run's identity: new for a fresh run, the checkpoint's when resumed
@@ -283,6 +275,7 @@ class Trainer:
             gradient_divisor=self.engine.gradient_divisor(work),
             token_rows_out=token_rows_out,
             trace=trace,
+            mtp_scales=self.mtp_scales,
         )
         return self.engine.forward_backward(micro)
 
@@ -342,34 +335,33 @@ class Trainer:
             return False
         return self.step % every == 0 or self.step == self.cfg.trainer.max_steps
 
+    def checkpoint(self) -> tuple[dict, dict]:
+        """This step's resumable state as a checkpoint holds it (every rank takes part): the
+        tensors (weights, optimizer moments, RNG state; full tp=1 copies on the CPU, which
+        later steps leave as they are) and the manifest (run, step, data position, history,
+        layout, config). The recipe draws no random numbers while training: no dropout,
+        seeded data order."""
+        with self._collectives_in("the checkpoint's tensor-parallel gather"):
+            tensors = full_state(
+                self.model, self.engine.optimizer_state(), self.tp_group, self.whole_names
+            )
+        manifest = checkpoint_manifest(
+            self.cfg,
+            self.layout,
+            run_id=self.run_id,
+            step=self.step,
+            data=self.steps.state_dict(),
+            history=list(self.history),
+            inputs=self.inputs,
+        )
+        return tensors, manifest
+
     def save_checkpoint(self) -> Path | None:
         """Write this step's checkpoint (every rank takes part); None when the run has no
         output directory to write it to."""
         if self.checkpoint_dir is None:
             return None
-        import megatron.core
-
-        with self._collectives_in("the checkpoint's tensor-parallel gather"):
-            tensors = full_state(
-                self.model, self.engine.optimizer_state(), self.tp_group, self.whole_names
-            )
-        manifest = {
-            "format": FORMAT_VERSION,
-            "run_id": self.run_id,
-            "step": self.step,
-            "data": self.steps.state_dict(),
-            "history": self.history,
-            "layout": {
-                "tp": self.layout.tp_size,
-                "cp": self.layout.cp_size,
-                "dp": self.layout.dp_size,
-                "pp": self.layout.pp_size,
-            },
-            "engine": self.cfg.trainer.engine,
-            "config": config_fingerprint(self.cfg),
-            "inputs": self.inputs,
-            "versions": {"torch": torch.__version__, "megatron_core": megatron.core.__version__},
-        }
+        tensors, manifest = self.checkpoint()
         return save_checkpoint(
             self.checkpoint_dir,
             self.step,
@@ -384,8 +376,25 @@ class Trainer:
         changed since (`key: old -> new`)."""
         manifest = read_manifest(checkpoint)
         changes = resume_differences(manifest, self.cfg)
+        self._resume(read_tensors(checkpoint), manifest, f"checkpoint {checkpoint}")
+        return changes
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs, as a checkpoint writes it: {"tensors": weights,
+        optimizer moments and RNG state, "manifest": run, step, data position, history, ...}
+        (see `checkpoint`)."""
+        tensors, manifest = self.checkpoint()
+        return {"tensors": tensors, "manifest": manifest}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a `state_dict()` (of a trainer at any layout), as from a checkpoint."""
+        tensors = {key: value.clone() for key, value in state["tensors"].items()}  # not shared
+        self._resume(tensors, state["manifest"], "the state dict")
+
+    def _resume(self, tensors: dict, manifest: dict, source: str) -> None:
+        """Take over a checkpoint's state: full tensors and manifest (`source` names them)."""
         moments = load_full_state(
-            checkpoint, self.model, self.layout.tp_rank, self.layout.tp_size, self.whole_names
+            tensors, self.model, self.layout.tp_rank, self.layout.tp_size, self.whole_names, source
         )
         with self._collectives_in("the optimizer state's exchange"):
             self.engine.load_optimizer_state(moments)
@@ -393,26 +402,6 @@ class Trainer:
         self.run_id = manifest.get("run_id", self.run_id)
         self.step = int(manifest["step"])
         self.history = list(manifest["history"])
-        self.guard.rebuild(self.history)
-        return changes
-
-    def state_dict(self) -> dict:
-        """Everything a resumed run needs: weights, optimizer moments, data position, history.
-        (The recipe draws no random numbers while training: no dropout, seeded data order.)"""
-        return {
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "data": self.steps.state_dict(),
-            "history": list(self.history),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.steps.load_state_dict(state["data"])
-        self.step = int(state["step"])
-        self.history = list(state["history"])
         self.guard.rebuild(self.history)
 
 
@@ -423,8 +412,6 @@ def build_model(
     which tokens are its own (for the negative-control position deliveries)."""
     from recipe.model.gpt import build_gpt_model
 
-    if cfg.mtp.enabled and cfg.mtp.scaling == "exact":
-        install_exact_mtp_scaling()
     vision = cfg.vision.enabled
     model = build_gpt_model(
         cfg.model,
@@ -458,113 +445,3 @@ def build_model(
         cp_rank=cp_rank,
     )
     return model.to(device) if device is not None else model
-
-
-def check_run_choices(cfg: TrainConfig, device: torch.device) -> None:
-    """What the config alone cannot check: choices that depend on this machine's device."""
-    from recipe.model.gpt import resolve_attention_backend
-
-    precision = resolve_precision(cfg.trainer.precision, device)
-    backend = cfg.model.attention_backend
-    if backend == "auto":
-        backend = resolve_attention_backend(backend)
-    check_backend_and_precision(backend, precision, cuda=device.type == "cuda")
-    if backend == "te" and cfg.cp.size > 1:
-        check_te_cp_comm_type(cfg.cp.comm_type, transformer_engine_version())
-    check_preprocess_function(cfg.cp.preprocess)
-
-
-def check_preprocess_function(preprocess: str) -> None:
-    """A function named by cp.preprocess (your package.module:function, or a released
-    LIBRARY@VERSION, fetched here) is loaded and its signature checked before any rank starts:
-    a missing module or release, or a function of another shape, is a start-up error naming
-    cp.preprocess, not a failure in every rank."""
-    import inspect
-
-    from recipe.parallel.cp.contract import load_function
-    from recipe.upstream.adapters import checking_preprocess, is_preprocess_spec
-    from recipe.upstream.source import UpstreamUnavailable
-
-    if is_preprocess_spec(preprocess):
-        try:
-            checking_preprocess(preprocess)
-        except UpstreamUnavailable as err:
-            raise ConfigError(f"cp.preprocess={preprocess}: {err}") from None
-        return
-    if ":" not in preprocess:
-        return  # a built-in
-    try:
-        fn = load_function(preprocess)
-    except ValueError as err:
-        raise ConfigError(f"cp.preprocess={preprocess}: {err}") from None
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # a builtin without a readable signature: the first call will tell
-    try:
-        signature.bind([], None, 2, 0)
-    except TypeError:
-        raise ConfigError(
-            f"cp.preprocess={preprocess}: takes {signature}, which cannot be called as "
-            "fn(sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size=1) ({err}); the "
-            "contract is in recipe/parallel/cp/contract.py"
-        ) from None
-
-
-def where_training_starts(resume: str | None, checkpoint: Path | None, step: int) -> str:
-    """The one line that says where training starts (console and train.log)."""
-    if checkpoint is not None:
-        return f"resuming from {checkpoint}: training starts after step {step}"
-    if resume == "auto":
-        return "no checkpoint to resume in this run directory: starting at step 0"
-    return "starting at step 0"
-
-
-def _set_threads(local_world: int) -> None:
-    """Ranks of one machine share its cores instead of each grabbing all of them."""
-    if not cuda_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-
-
-def train(cfg: TrainConfig) -> dict:
-    """Train one model on this rank; returns {"summary": ..., "history": [records]}."""
-    apply_cpu_compat()
-    owns_world = not torch.distributed.is_initialized()
-    env = read_environment(os.environ)
-    layout = groups.init_distributed(cfg.parallel_dims, env, cfg.trainer.collective_timeout_s)
-    logger = NullLogger()
-    try:
-        _set_threads(env.local_world_size)
-        seed_model_parallel_rng(cfg.trainer.seed)
-        check_run_choices(cfg, env.device)
-        apply_determinism(cfg.trainer.deterministic)
-        corpus = load_corpus(cfg.data, cfg.image_grid)
-        trainer = Trainer(cfg, layout, env.device, corpus)
-        checkpoint = resolve_resume(cfg.trainer.resume, cfg.output_dir)
-        changes = trainer.restore(checkpoint) if checkpoint else []
-        _log.info(where_training_starts(cfg.trainer.resume, checkpoint, trainer.step))
-        if layout.is_main:
-            logger = trainer.logger = RunLogger(
-                cfg, cfg.output_dir, cfg.trainer.max_steps, first_step=trainer.step
-            )
-            if cfg.trainer.resume is not None:
-                moved = []
-                if checkpoint is not None and trainer.checkpoint_dir is not None:
-                    moved = set_aside_newer(trainer.checkpoint_dir, trainer.step)
-                    for path in moved:
-                        _log.warning(f"set aside {path}: a later step of the abandoned timeline")
-                logger.log_resume(
-                    trainer.step, trainer.history, checkpoint, changes, trainer.run_id, moved
-                )
-            else:
-                logger.log_start(trainer.run_id)
-        try:
-            return trainer.train()
-        except Preempted as err:
-            if cfg.trainer.requeue and layout.is_main:
-                err.requeue_outcome = requeue_slurm_job()
-            raise
-    finally:
-        logger.close()
-        if owns_world:
-            groups.shutdown_distributed()

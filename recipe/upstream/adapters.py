@@ -309,12 +309,6 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
     return library, (None if version in ("", "installed") else version)
 
 
-def is_preprocess_spec(text: str) -> bool:
-    """`cp.preprocess` names a released function: `LIBRARY@VERSION[/FUNCTION]`. `@` cannot
-    appear in a `package.module:function` path, so the two spellings never collide."""
-    return "@" in text
-
-
 def parse_preprocess_spec(text: str) -> tuple[str, str | None, Target]:
     """`verl@0.7.1`, `verl@installed`, `megatron-bridge@0.6.2/qwen3_vl.preprocess_packed_seqs`
     -> (library, version or None for the installed one, target). Without /FUNCTION: the

@@ -51,7 +51,7 @@ class SharedRuns:
 
     def _train(self, cfg) -> dict:
         if cfg.world_size == 1:
-            from recipe.training.trainer import train
+            from recipe.launch.rank import train
 
             return train(cfg)
         return self.pool.train(cfg)

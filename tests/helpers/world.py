@@ -82,11 +82,11 @@ def _serve(local_rank: int, world_size: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
     from recipe.log import quiet_libraries
-    from recipe.model.cpu_compat import apply_cpu_compat
+    from recipe.megatron.cpu_patches import install_cpu_patches
     from recipe.parallel import groups
 
     quiet_libraries()
-    apply_cpu_compat()
+    install_cpu_patches()
     # The world waits between jobs as long as a test session may take; each job's own groups
     # carry the job's collective timeout.
     dist.init_process_group("gloo", timeout=timedelta(hours=3))
@@ -211,7 +211,7 @@ class WorldPool:
 
     def train(self, cfg) -> dict:
         """`train(cfg)` on a world of cfg.world_size; rank 0's {"summary", "history"}."""
-        from recipe.training.trainer import train
+        from recipe.launch.rank import train
 
         return self.run(cfg.world_size, train, cfg)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from recipe.config.preprocess import FUNCTION, parse_preprocess
 from recipe.data.packing import PackedBatch, pack_sequences
 from recipe.names import CP_PREPROCESS
 from recipe.parallel.cp.zigzag import zigzag_index
@@ -39,6 +40,18 @@ PAD_ID = 0
 
 class ContractError(ValueError):
     """A preprocessing function's output has the wrong shape or type for the contract."""
+
+
+@dataclass(frozen=True)
+class LoadedPreprocess:
+    """A function `cp.preprocess` names from outside the recipe, loaded once per process."""
+
+    train: Callable
+    """What training calls on this rank (a release reads megatron's real parallel state)."""
+    check: Callable
+    """The same function with one process playing every rank (the check against the index)."""
+    checker: str
+    """The command that finds a minimal failing case of it."""
 
 
 @dataclass(frozen=True)
@@ -79,10 +92,11 @@ def _number(value: float):
 
 def load_function(spec: str) -> Callable:
     """A built-in name (index, verl_fixed, verl_legacy) or `package.module:function`."""
-    if spec in CP_PREPROCESS:
+    parsed = parse_preprocess(spec)
+    if parsed.built_in:
         return built_in(spec)
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
+    module_name, attr = parsed.module_and_function
+    if parsed.kind != FUNCTION or not module_name or not attr:
         raise ValueError(
             f"{spec!r} is neither a built-in ({', '.join(CP_PREPROCESS)}) nor "
             "package.module:function"

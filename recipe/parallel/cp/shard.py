@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from recipe.config.preprocess import INDEX, REFERENCE, parse_preprocess
 from recipe.data.packing import PackedBatch
 from recipe.errors import RecipeError
-from recipe.names import VERL_VARIANTS
 from recipe.parallel.cp import contract
+from recipe.parallel.cp.contract import LoadedPreprocess
 from recipe.parallel.cp.verl import verl_preprocess
 from recipe.parallel.cp.zigzag import shard_tensors, zigzag_index
 
@@ -30,10 +31,12 @@ def shard_batch(
     method: str = "index",
     tp_size: int = 1,
     check: bool = False,
+    loaded: LoadedPreprocess | None = None,
 ) -> PackedBatch:
     """This rank's part of a global batch; cu_seqlens stay global, as megatron expects.
 
-    `method` may be a user's `package.module:function` (contract.py); its outputs replace the
+    `method` may name a function from outside the recipe (a user's `package.module:function`,
+    contract.py, or a release's `LIBRARY@VERSION`), handed over `loaded`; its outputs replace the
     index path's for the fields it returns. With `check`, it is first run on every rank of this
     micro-batch and compared with the ground truth.
     """
@@ -43,27 +46,32 @@ def shard_batch(
     tensors = batch.per_token()
     token_dims = {k: d for k, d in PackedBatch.TOKEN_DIMS.items() if k in tensors}
     local = shard_tensors(tensors, index, token_dims=token_dims)
-    if method == "index":
+    kind = parse_preprocess(method).kind
+    if kind == INDEX:
         return batch.replace(**local)
     starts = batch.cu_seqlens_padded[:-1].tolist()
     lengths = batch.cu_seqlens.diff().tolist()
     sequences = [batch.input_ids[s : s + n] for s, n in zip(starts, lengths)]
-    if method in VERL_VARIANTS:
+    if kind == REFERENCE:
         input_ids, position_ids = verl_preprocess(
             sequences, batch.cu_seqlens_padded, cp_size, cp_rank, variant=method, tp_size=tp_size
         )
         local["input_ids"], local["position_ids"] = input_ids, position_ids
         return batch.replace(**local)
-    fn, checked_fn, checker = _preprocess_function(method)
+    if loaded is None:
+        raise ValueError(
+            f"cp.preprocess={method} names a function from outside the recipe: load it once "
+            "(recipe.training.preprocess.load_preprocess) and pass it as `loaded`"
+        )
     if check:
-        mismatch = contract.check_batch(checked_fn, batch, cp_size, tp_size)
+        mismatch = contract.check_batch(loaded.check, batch, cp_size, tp_size)
         if mismatch is not None:
             raise PreprocessMismatch(
                 f"cp.preprocess={method} differs from the index path on a training micro-batch: "
-                f"{mismatch.describe()}. `{checker}` finds a minimal case; cp.check_steps=0 "
+                f"{mismatch.describe()}. `{loaded.checker}` finds a minimal case; cp.check_steps=0 "
                 "skips this check"
             )
-    out = contract.call(fn, sequences, batch.cu_seqlens_padded, cp_size, cp_rank, tp_size)
+    out = contract.call(loaded.train, sequences, batch.cu_seqlens_padded, cp_size, cp_rank, tp_size)
     layout = out.pop(contract.LAYOUT_KEY)
     if not bool(torch.equal(layout, batch.cu_seqlens_padded.to(torch.int64).cpu())):
         raise PreprocessMismatch(
@@ -74,24 +82,3 @@ def shard_batch(
     for name, value in out.items():
         local[name] = value.to(local[name].dtype)
     return batch.replace(**local)
-
-
-def _preprocess_function(method: str):
-    """(the function training calls, the one the start-up check calls, the checker's command).
-    A released function (LIBRARY@VERSION) reads megatron's real parallel state in training, as
-    in its library, and a stand-in when one process plays every rank for the check."""
-    from recipe.upstream.adapters import (
-        checking_preprocess,
-        is_preprocess_spec,
-        training_preprocess,
-    )
-
-    if is_preprocess_spec(method):
-        release = method.partition("/")[0]
-        return (
-            training_preprocess(method),
-            checking_preprocess(method),
-            f"python -m recipe.check_upstream {release}",
-        )
-    fn = contract.load_function(method)
-    return fn, fn, f"python -m recipe.check_preprocess {method}"

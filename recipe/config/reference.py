@@ -1,7 +1,7 @@
-"""The configuration reference, generated from the typed schema: `python -m recipe.config_reference`
+"""The configuration reference, generated from the typed schema: `python -m recipe.config.reference`
 writes docs/configuration-reference.md (`--check` exits 1 when the page is stale).
 
-The dataclasses in `recipe/config.py` are the one home of every key, its default and its meaning
+The dataclasses in `recipe/config/` are the one home of every key, its default and its meaning
 (the field's docstring, the string literal under it); this page is rendered from them, so the
 docs cannot drift from the code. A field without a docstring is an error here.
 """
@@ -16,13 +16,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-from recipe import config as schema
+from recipe.config import schema
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration-reference.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration-reference.md"
 
 HEADER = """# Configuration reference
 
-Generated from the dataclasses in `recipe/config.py` by `python -m recipe.config_reference`
+Generated from the dataclasses in `recipe/config/` by `python -m recipe.config.reference`
 (a test fails when this page is stale): every key a run takes, its default, and what it means.
 Set a key on the command line (`python train.py optim.lr=3e-3`) or pick a group's option
 (`model=small`, `cp=2`, `mtp=on`); [Configuration](configuration.md) explains how they compose.
@@ -92,20 +92,20 @@ def render() -> str:
             parts.append(f"| `{key}` | {default} | {cell} |\n")
     if missing:
         raise ValueError(
-            "fields without a docstring (add the string literal under each in recipe/config.py): "
-            + ", ".join(missing)
+            "fields without a docstring (add the string literal under each in "
+            "recipe/config/groups.py): " + ", ".join(missing)
         )
     return "".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipe.config_reference")
+    parser = argparse.ArgumentParser(prog="python -m recipe.config.reference")
     parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
     args = parser.parse_args(argv)
     text = render()
     if args.check:
         if not PAGE.is_file() or PAGE.read_text() != text:
-            print(f"{PAGE} is stale: run `python -m recipe.config_reference`", file=sys.stderr)
+            print(f"{PAGE} is stale: run `python -m recipe.config.reference`", file=sys.stderr)
             return 1
         return 0
     PAGE.write_text(text)

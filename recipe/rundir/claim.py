@@ -14,9 +14,7 @@ import os
 from pathlib import Path
 
 from recipe.errors import ConfigError
-from recipe.training.loggers import METRICS_FILE
-
-LOCK_FILE = ".lock"
+from recipe.rundir.layout import lock_path, metrics_path
 
 
 def claim_run_directory(run_dir: str | Path, resuming: bool = False):
@@ -24,7 +22,7 @@ def claim_run_directory(run_dir: str | Path, resuming: bool = False):
     Only a job that resumes (trainer.resume) may add to a directory that holds metrics."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held for the job's life
+    lock = open(lock_path(run_dir), "a+")  # noqa: SIM115 - held for the job's life
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -35,7 +33,7 @@ def claim_run_directory(run_dir: str | Path, resuming: bool = False):
             f"run directory {run_dir} is in use by another job (pid {holder}); give this job its "
             "own hydra.run.dir (the default, outputs/DATE/TIME-MICROSECONDS, is unique)"
         ) from None
-    metrics = run_dir / METRICS_FILE
+    metrics = metrics_path(run_dir)
     if metrics.exists() and metrics.stat().st_size > 0 and not resuming:
         lock.close()
         raise ConfigError(

@@ -334,8 +334,8 @@ def _check_case(lengths, cp_size: int, cu_kind: str, roll: Callable, cp_rank: in
 
 
 def _world(cp_size: int, timeout_s: float):
+    from recipe.config.layout import ParallelDims
     from recipe.parallel import groups
-    from recipe.parallel.layout import ParallelDims
 
     # The groups' own timeout is longer than a point-to-point wait's: a rank that gave up
     # waiting must still find its peers in the gather that follows.
@@ -355,9 +355,9 @@ def check_roll_on_rank(
     finding (its note names it), when all ranks raise; a rank that waits `timeout_s` for a
     message from a peer that raised alone raises PointToPointTimeout with the finding. `roll`
     replaces megatron's function (tests of the checker itself)."""
-    from recipe.model.cpu_compat import apply_cpu_compat
+    from recipe.megatron.cpu_patches import install_cpu_patches
 
-    apply_cpu_compat()  # idempotent; megatron's unpacked roll asks torch.cuda for its device
+    install_cpu_patches()  # idempotent; megatron's unpacked roll asks torch.cuda for its device
     roll = roll or roll_function(broken)
     with _world(cp_size, timeout_s) as layout:
         return _check_case(lengths, cp_size, cu_kind, roll, layout.cp_rank, timeout_s)
@@ -407,9 +407,9 @@ def check_cases_on_rank(
     first failing one, which is shrunk in the same world; (minimal finding or None, cases run,
     shrinking not counted). One parallel state serves every case: building megatron's groups
     costs a few tenths of a second, a case a few milliseconds."""
-    from recipe.model.cpu_compat import apply_cpu_compat
+    from recipe.megatron.cpu_patches import install_cpu_patches
 
-    apply_cpu_compat()
+    install_cpu_patches()
     roll = roll_function(broken)
     with _world(cp_size, timeout_s) as layout:
 
@@ -465,7 +465,7 @@ def _launch(cp_size: int, args: tuple):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from recipe.launch.local import RanksFailed, _describe_failures
+    from recipe.launch.local import RanksFailed, describe_failures
 
     config = LaunchConfig(
         min_nodes=1,
@@ -485,7 +485,7 @@ def _launch(cp_size: int, args: tuple):
     try:
         return elastic_launch(config, entrypoint=_launched_rank)(*args)[0]
     except ChildFailedError as err:
-        raise RanksFailed(_describe_failures(err.failures)) from None
+        raise RanksFailed(describe_failures(err.failures)) from None
     finally:
         if saved is None:
             os.environ.pop("PYTHONWARNINGS", None)

@@ -1,47 +1,29 @@
-"""Typed configuration: one dataclass per Hydra group, checked at start-up.
-
-The YAML files under `conf/` compose and sweep; these schemas (registered in Hydra's ConfigStore)
-reject unknown keys and wrong types, and each `__post_init__` rejects values that cannot work, with
-a message that names the field and what would be valid. `train.py` converts the composed config to
-these objects once; the code below it only sees typed values.
-"""
+"""The groups of the schema: one dataclass per Hydra group (and its sub-sections), each field with
+its default, its docstring and its check in `__post_init__`, a message naming the field and what
+would be valid. Rules that span groups live on `TrainConfig` (`schema.py`)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from recipe.errors import ConfigError
+from recipe.config.preprocess import check_preprocess_spelling
+from recipe.config.rules import one_of, positive, require
 from recipe.names import (
     ATTENTION_BACKENDS,
     CP_COMM_TYPES,
-    CP_PREPROCESS,
     DATA_SOURCES,
+    ENGINES,
     FP32_RTOL,
     MTP_SCALINGS,
+    NONFINITE_ACTIONS,
     PASS_POSITION_IDS,
     POSITION_EMBEDDINGS,
     PRECISIONS,
+    SPIKE_ACTIONS,
     VISION_POSITIONS,
     WANDB_MODES,
 )
-from recipe.parallel.layout import ParallelDims
-
-__all__ = ["ConfigError", "TrainConfig", "register_configs"]
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-def _positive(name: str, value: int | float) -> None:
-    _require(value > 0, f"{name} must be > 0, got {value}")
-
-
-def _one_of(name: str, value: str, choices: tuple[str, ...]) -> None:
-    _require(value in choices, f"{name}={value!r} is not valid; choose one of {', '.join(choices)}")
 
 
 @dataclass
@@ -93,27 +75,27 @@ class ModelConfig:
             "rotary_base",
             "make_vocab_size_divisible_by",
         ):
-            _positive(f"model.{name}", getattr(self, name))
-        _positive("model.init_method_std", self.init_method_std)
-        _require(
+            positive(f"model.{name}", getattr(self, name))
+        positive("model.init_method_std", self.init_method_std)
+        require(
             self.hidden_size % self.num_attention_heads == 0,
             f"model.hidden_size={self.hidden_size} is not divisible by "
             f"model.num_attention_heads={self.num_attention_heads}; pick a hidden size that is a "
             "multiple of the head count",
         )
-        _require(
+        require(
             self.num_attention_heads % self.num_query_groups == 0,
             f"model.num_query_groups={self.num_query_groups} must divide "
             f"model.num_attention_heads={self.num_attention_heads}",
         )
         head_dim = self.hidden_size // self.num_attention_heads
-        _require(
+        require(
             self.position_embedding_type != "rope" or head_dim % 2 == 0,
             f"rope needs an even head dimension; hidden_size/num_attention_heads = {head_dim}",
         )
-        _one_of("model.position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
-        _one_of("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _one_of("model.pass_position_ids", self.pass_position_ids, PASS_POSITION_IDS)
+        one_of("model.position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
+        one_of("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        one_of("model.pass_position_ids", self.pass_position_ids, PASS_POSITION_IDS)
 
 
 @dataclass
@@ -136,11 +118,11 @@ class MarkovConfig:
     """Documents generated for the held-out eval set."""
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.order >= 2,
             f"data.markov.order must be >= 2 (attention must matter), got {self.order}",
         )
-        _require(
+        require(
             2 <= self.alphabet_size <= 26,
             f"data.markov.alphabet_size must be in 2..26, got {self.alphabet_size}",
         )
@@ -151,7 +133,7 @@ class MarkovConfig:
             "num_train_docs",
             "num_eval_docs",
         ):
-            _positive(f"data.markov.{name}", getattr(self, name))
+            positive(f"data.markov.{name}", getattr(self, name))
 
 
 @dataclass
@@ -170,7 +152,7 @@ class ShapesConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_train", "num_eval", "image_size"):
-            _positive(f"data.shapes.{name}", getattr(self, name))
+            positive(f"data.shapes.{name}", getattr(self, name))
 
 
 @dataclass
@@ -206,23 +188,23 @@ class DataConfig:
     shapes: ShapesConfig = field(default_factory=ShapesConfig)
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             0 <= self.max_malformed_fraction <= 1,
             "data.max_malformed_fraction must be between 0 and 1, got "
             f"{self.max_malformed_fraction}",
         )
-        _one_of("data.source", self.source, DATA_SOURCES)
-        _require(self.max_seq_len >= 2, f"data.max_seq_len must be >= 2, got {self.max_seq_len}")
-        _require(self.seed >= 0, f"data.seed must be >= 0, got {self.seed}")
-        _require(
+        one_of("data.source", self.source, DATA_SOURCES)
+        require(self.max_seq_len >= 2, f"data.max_seq_len must be >= 2, got {self.max_seq_len}")
+        require(self.seed >= 0, f"data.seed must be >= 0, got {self.seed}")
+        require(
             0 < self.eval_fraction < 1,
             f"data.eval_fraction must be in (0, 1), got {self.eval_fraction}",
         )
-        _positive("data.max_eval_tokens", self.max_eval_tokens)
+        positive("data.max_eval_tokens", self.max_eval_tokens)
         if self.source == "markov":
             # BOS + at most max_doc_len symbols (the final '.' included) + EOS.
             longest = self.markov.max_doc_len + 2
-            _require(
+            require(
                 longest <= self.max_seq_len,
                 f"data.markov.max_doc_len={self.markov.max_doc_len} gives documents of up to "
                 f"{longest} tokens, more than data.max_seq_len={self.max_seq_len}: they would be "
@@ -230,7 +212,7 @@ class DataConfig:
                 f"{longest} or lower data.markov.max_doc_len",
             )
         if self.source == "files":
-            _require(
+            require(
                 bool(self.path),
                 "data=files needs data.path: a builder such as json, parquet, text or csv "
                 "(with data.data_files=FILE), or a hub dataset name",
@@ -247,8 +229,8 @@ class BatchingConfig:
     """Tokens one rank holds in a micro-batch after CP sharding, counted after alignment padding."""
 
     def __post_init__(self) -> None:
-        _positive("batching.tokens_per_step", self.tokens_per_step)
-        _positive("batching.max_tokens_per_rank", self.max_tokens_per_rank)
+        positive("batching.tokens_per_step", self.tokens_per_step)
+        positive("batching.max_tokens_per_rank", self.max_tokens_per_rank)
 
 
 @dataclass
@@ -271,24 +253,9 @@ class CPConfig:
     always all-gathers K/V."""
 
     def __post_init__(self) -> None:
-        if "@" in self.preprocess:  # a released function, loaded by the start-up check
-            from recipe.upstream.adapters import parse_preprocess_spec
-            from recipe.upstream.source import UpstreamUnavailable
-
-            try:
-                parse_preprocess_spec(self.preprocess)
-            except UpstreamUnavailable as err:
-                raise ConfigError(f"cp.preprocess={self.preprocess}: {err}") from None
-        elif ":" in self.preprocess:  # your function: imported by the start-up check, not here
-            module, _, function = self.preprocess.partition(":")
-            _require(
-                bool(module) and bool(function) and ":" not in function,
-                f"cp.preprocess={self.preprocess}: write package.module:function",
-            )
-        else:
-            _one_of("cp.preprocess", self.preprocess, CP_PREPROCESS)
-        _one_of("cp.comm_type", self.comm_type, CP_COMM_TYPES)
-        _require(self.check_steps >= 0, f"cp.check_steps must be >= 0, got {self.check_steps}")
+        check_preprocess_spelling(self.preprocess)
+        one_of("cp.comm_type", self.comm_type, CP_COMM_TYPES)
+        require(self.check_steps >= 0, f"cp.check_steps must be >= 0, got {self.check_steps}")
 
 
 @dataclass
@@ -308,12 +275,12 @@ class ParallelConfig:
     model.num_layers must be divisible by it; MTP layers sit on the last stage."""
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             not self.sequence_parallel or self.tp > 1,
             "parallel.sequence_parallel=true splits tokens across tensor-parallel ranks and needs "
             "parallel.tp > 1; set parallel.tp=2 or parallel.sequence_parallel=false",
         )
-        _positive("parallel.pp", self.pp)
+        positive("parallel.pp", self.pp)
 
 
 @dataclass
@@ -333,9 +300,9 @@ class MTPConfig:
     depends on the CP/DP layout; see docs/findings.md)."""
 
     def __post_init__(self) -> None:
-        _positive("mtp.num_layers", self.num_layers)
-        _one_of("mtp.scaling", self.scaling, MTP_SCALINGS)
-        _require(
+        positive("mtp.num_layers", self.num_layers)
+        one_of("mtp.scaling", self.scaling, MTP_SCALINGS)
+        require(
             self.loss_scaling_factor >= 0,
             f"mtp.loss_scaling_factor must be >= 0, got {self.loss_scaling_factor}",
         )
@@ -379,18 +346,18 @@ class VisionConfig:
             "num_attention_heads",
             "ffn_hidden_size",
         ):
-            _positive(f"vision.{name}", getattr(self, name))
-        _require(
+            positive(f"vision.{name}", getattr(self, name))
+        require(
             self.hidden_size % self.num_attention_heads == 0,
             f"vision.hidden_size={self.hidden_size} is not divisible by "
             f"vision.num_attention_heads={self.num_attention_heads}",
         )
-        _require(
+        require(
             len(self.mrope_section) == 3 and all(int(v) >= 0 for v in self.mrope_section),
             f"vision.mrope_section={list(self.mrope_section)} must be three non-negative channel "
             "counts (t, row, col)",
         )
-        _one_of("vision.positions", self.positions, VISION_POSITIONS)
+        one_of("vision.positions", self.positions, VISION_POSITIONS)
 
 
 @dataclass
@@ -415,23 +382,19 @@ class OptimConfig:
     """Clip the global gradient norm to this (0 disables clipping)."""
 
     def __post_init__(self) -> None:
-        _positive("optim.lr", self.lr)
-        _require(
+        positive("optim.lr", self.lr)
+        require(
             0 <= self.min_lr <= self.lr,
             f"optim.min_lr must be in [0, optim.lr={self.lr}], got {self.min_lr}",
         )
-        _require(
-            self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}"
-        )
-        _require(
+        require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        require(
             0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
             f"optim.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}",
         )
-        _positive("optim.eps", self.eps)
-        _require(
-            self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}"
-        )
-        _require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}")
+        positive("optim.eps", self.eps)
+        require(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}")
 
 
 @dataclass
@@ -449,15 +412,12 @@ class LossSpikeConfig:
     leave the weights and optimizer state as they were) | stop (end the run with an error)."""
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.factor == 0 or self.factor > 1,
             f"trainer.loss_spike.factor must be > 1 (or 0: off), got {self.factor}",
         )
-        _positive("trainer.loss_spike.window", self.window)
-        _one_of("trainer.loss_spike.action", self.action, ("warn", "skip_step", "stop"))
-
-
-ENGINES = ("recipe", "megatron")
+        positive("trainer.loss_spike.window", self.window)
+        one_of("trainer.loss_spike.action", self.action, SPIKE_ACTIONS)
 
 
 @dataclass
@@ -540,37 +500,37 @@ class TrainerConfig:
     """Options of trainer.engine=megatron."""
 
     def __post_init__(self) -> None:
-        _one_of("trainer.precision", self.precision, PRECISIONS)
-        _one_of("trainer.engine", self.engine, ENGINES)
-        _require(
+        one_of("trainer.precision", self.precision, PRECISIONS)
+        one_of("trainer.engine", self.engine, ENGINES)
+        require(
             not (self.megatron.calculate_per_token_loss and self.megatron.average_in_collective),
             "trainer.megatron.average_in_collective=true averages gradients in the collective, "
             "which megatron refuses with calculate_per_token_loss=true (it divides by the token "
             "count instead); set one of them to false",
         )
-        _require(
+        require(
             self.peak_tflops is None or self.peak_tflops > 0,
             f"trainer.peak_tflops must be > 0 (or null for the device's data sheet), got "
             f"{self.peak_tflops}",
         )
-        _positive("trainer.max_steps", self.max_steps)
-        _positive("trainer.collective_timeout_s", self.collective_timeout_s)
-        _one_of("trainer.on_nonfinite", self.on_nonfinite, ("stop", "skip_step"))
-        _require(self.eval_every >= 0, f"trainer.eval_every must be >= 0, got {self.eval_every}")
-        _positive("trainer.log_every", self.log_every)
-        _require(
+        positive("trainer.max_steps", self.max_steps)
+        positive("trainer.collective_timeout_s", self.collective_timeout_s)
+        one_of("trainer.on_nonfinite", self.on_nonfinite, NONFINITE_ACTIONS)
+        require(self.eval_every >= 0, f"trainer.eval_every must be >= 0, got {self.eval_every}")
+        positive("trainer.log_every", self.log_every)
+        require(
             self.checkpoint_every >= 0,
             f"trainer.checkpoint_every must be >= 0 (0: none), got {self.checkpoint_every}",
         )
-        _positive("trainer.checkpoint_keep", self.checkpoint_keep)
+        positive("trainer.checkpoint_keep", self.checkpoint_keep)
         for key in ("record_tokens", "trace_steps"):
             steps = getattr(self, key)
-            _require(
+            require(
                 all(isinstance(s, int) and 1 <= s <= self.max_steps for s in steps),
                 f"trainer.{key} must list steps between 1 and trainer.max_steps="
                 f"{self.max_steps}, got {list(steps)}",
             )
-        _require(
+        require(
             self.resume is None or (isinstance(self.resume, str) and self.resume.strip()),
             f"trainer.resume must be null, auto or a path, got {self.resume!r}",
         )
@@ -588,7 +548,7 @@ class WandbConfig:
     """wandb tags."""
 
     def __post_init__(self) -> None:
-        _one_of("logger.wandb.mode", self.mode, WANDB_MODES)
+        one_of("logger.wandb.mode", self.mode, WANDB_MODES)
 
 
 @dataclass
@@ -611,225 +571,8 @@ class CompareConfig:
     """A sweep whose parity report has a FAIL (or no report) exits 1, so scripts and CI notice."""
 
     def __post_init__(self) -> None:
-        _positive("compare.rtol", self.rtol)
-        _require(
+        positive("compare.rtol", self.rtol)
+        require(
             self.baseline == "auto" or str(self.baseline).isdigit(),
             f"compare.baseline={self.baseline!r}: use auto or a job number such as 0",
         )
-
-
-@dataclass
-class TrainConfig:
-    """Everything one training run needs."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
-    cp: CPConfig = field(default_factory=CPConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    mtp: MTPConfig = field(default_factory=MTPConfig)
-    vision: VisionConfig = field(default_factory=VisionConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    compare: CompareConfig = field(default_factory=CompareConfig)
-    output_dir: str | None = None
-    """Where outputs go; set from Hydra's run directory by train.py."""
-
-    def __post_init__(self) -> None:
-        dims = self.parallel_dims  # every degree rule, checked before anything uses the sizes
-        alignment = dims.alignment
-        aligned_max = math.ceil(self.data.max_seq_len / alignment) * alignment
-        _require(
-            self.batching.max_tokens_per_rank * self.cp.size >= aligned_max,
-            f"batching.max_tokens_per_rank={self.batching.max_tokens_per_rank} cannot hold one "
-            f"sequence of data.max_seq_len={self.data.max_seq_len} ({aligned_max} tokens after "
-            f"padding to a multiple of {alignment}, {aligned_max // self.cp.size} per rank at "
-            f"cp={self.cp.size}); raise the budget to at least {aligned_max // self.cp.size} or "
-            "lower data.max_seq_len",
-        )
-        _require(
-            self.batching.tokens_per_step >= self.data.max_seq_len,
-            f"batching.tokens_per_step={self.batching.tokens_per_step} is smaller than one "
-            f"sequence (data.max_seq_len={self.data.max_seq_len}); raise it or lower max_seq_len",
-        )
-
-        self._check_tensor_parallel()
-        self._check_vision()
-        self._check_pipeline_parallel()
-        _require(
-            not self.trainer.trace_steps or self.parallel.tp == 1,
-            f"trainer.trace_steps needs parallel.tp=1 (a trace keeps whole hidden vectors; at "
-            f"tp={self.parallel.tp} each rank holds a slice of some); trace at cp/dp > 1 and tp=1",
-        )
-
-        _require(
-            not (
-                self.trainer.trace_steps
-                and self.trainer.engine == "megatron"
-                and self.trainer.megatron.use_distributed_optimizer
-            ),
-            "trainer.trace_steps with trainer.megatron.use_distributed_optimizer=true: each rank "
-            "then holds the summed gradient of its optimizer shard only, not of every parameter; "
-            "trace with use_distributed_optimizer=false",
-        )
-
-        if self.cp.comm_type == "a2a" and self.cp.size > 1:
-            m = self.model
-            _require(
-                m.num_attention_heads % self.cp.size == 0
-                and m.num_query_groups % self.cp.size == 0,
-                f"cp.comm_type=a2a splits heads across cp ranks: model.num_attention_heads="
-                f"{m.num_attention_heads} and model.num_query_groups={m.num_query_groups} must be "
-                f"divisible by cp.size={self.cp.size}; use cp.comm_type=p2p",
-            )
-
-        if not self.passes_position_ids:
-            policy = f"model.pass_position_ids={self.model.pass_position_ids}"
-            _require(
-                self.model.position_embedding_type != "learned_absolute",
-                f"model.position_embedding_type=learned_absolute needs position_ids, but {policy} "
-                f"passes none here (mtp={'on' if self.mtp.enabled else 'off'}); use "
-                "model.pass_position_ids=auto or always",
-            )
-            _require(
-                not self.mtp.enabled,
-                f"mtp=on needs position_ids (the MTP block embeds the shifted tokens at their "
-                f"positions), but {policy} passes none; use model.pass_position_ids=auto or always",
-            )
-
-    def _check_vision(self) -> None:
-        """Vision mode's pairings, before any model is built."""
-        v, m, source = self.vision, self.model, self.data.source
-        if not v.enabled:
-            _require(
-                source != "shapes",
-                "data=shapes holds images and their captions; train it with vision=on (a text "
-                "model would see only placeholder tokens)",
-            )
-            return
-        _require(
-            source == "shapes",
-            f"vision=on needs a data source with images, but data.source={source} is text only; "
-            "use data=shapes (generated image-caption pairs)",
-        )
-        size, patch = self.data.shapes.image_size, v.patch_size
-        _require(
-            size % patch == 0,
-            f"data.shapes.image_size={size} is not a multiple of vision.patch_size={patch}; "
-            "choose an image size that the patches tile",
-        )
-        _require(
-            (size // patch) % v.merge == 0,
-            f"images of {size} px in patches of {patch} give a {size // patch} x {size // patch} "
-            f"patch grid, which vision.merge={v.merge} does not divide; choose vision.merge, "
-            "vision.patch_size or data.shapes.image_size so that it does",
-        )
-        head_dim = m.hidden_size // m.num_attention_heads
-        _require(
-            sum(v.mrope_section) * 2 == head_dim,
-            f"vision.mrope_section={list(v.mrope_section)} sums to {sum(v.mrope_section)}, but "
-            f"mrope needs half the head dimension: model.hidden_size / "
-            f"model.num_attention_heads / 2 = {head_dim // 2}",
-        )
-        _require(
-            m.position_embedding_type == "rope",
-            f"vision=on uses 3-D rotary positions (mrope) in place of model.position_embedding_"
-            f"type={m.position_embedding_type}; use model.position_embedding_type=rope",
-        )
-        _require(
-            self.parallel.tp == 1,
-            f"vision=on runs at parallel.tp=1 (the vision encoder is not split across "
-            f"tensor-parallel ranks); got parallel.tp={self.parallel.tp}: use cp and parallel.dp",
-        )
-
-    @property
-    def image_grid(self) -> tuple[int, int] | None:
-        """Merged patch grid (h, w) of one image (vision=on), else None."""
-        if not self.vision.enabled:
-            return None
-        side = self.data.shapes.image_size // self.vision.patch_size // self.vision.merge
-        return (side, side)
-
-    def _check_pipeline_parallel(self) -> None:
-        """Pipeline stages run only on megatron's engine, and only what it splits evenly."""
-        pp, engine = self.parallel.pp, self.trainer.engine
-        if pp == 1:
-            return
-        _require(
-            engine == "megatron",
-            f"parallel.pp={pp}: pipeline parallelism runs on megatron-core's own schedule (1F1B); "
-            f"trainer.engine={engine} runs its micro-batches itself. Add trainer.engine=megatron",
-        )
-        _require(
-            self.model.num_layers % pp == 0,
-            f"parallel.pp={pp} splits model.num_layers={self.model.num_layers} into equal "
-            f"stages; choose model.num_layers as a multiple of {pp}",
-        )
-        _require(
-            not self.vision.enabled,
-            f"parallel.pp={pp} with vision=on is not supported (the vision encoder is not split "
-            "into stages); use parallel.pp=1 with vision=on",
-        )
-        _require(
-            not self.trainer.trace_steps,
-            f"trainer.trace_steps needs parallel.pp=1 (a trace hooks every module of one whole "
-            f"model; at pp={pp} each rank holds one stage); trace at pp=1",
-        )
-
-    def _check_tensor_parallel(self) -> None:
-        """What tp splits must divide by tp: megatron would fail later, deep inside a layer."""
-        tp, m = self.parallel.tp, self.model
-        for name, value in (
-            ("model.num_attention_heads", m.num_attention_heads),
-            ("model.num_query_groups", m.num_query_groups),
-            ("model.ffn_hidden_size", m.ffn_hidden_size),
-            ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
-        ):
-            _require(
-                value % tp == 0,
-                f"parallel.tp={tp} splits {name}={value} across tensor-parallel ranks, but it is "
-                f"not divisible by {tp}; choose {name} as a multiple of {tp} or a smaller "
-                "parallel.tp",
-            )
-
-    @property
-    def passes_position_ids(self) -> bool:
-        """Whether the model call receives position_ids, by `model.pass_position_ids`."""
-        policy, mtp, vision = self.model.pass_position_ids, self.mtp.enabled, self.vision.enabled
-        if policy == "always":
-            return True
-        if policy == "never":
-            return False
-        if policy == "mtp_only":
-            return mtp
-        if policy == "not_vision":
-            return not vision
-        # auto: exactly when something reads them. With rope megatron derives positions from the
-        # packed boundaries, so 1-D ids are only read by learned absolute embeddings and by the MTP
-        # block (which rolls them, and on megatron-core 0.16 fails without them). A vision model
-        # builds its own 3-D ids; its rope ignores 1-D ones by design (recipe/model/mrope.py).
-        return mtp or (self.model.position_embedding_type == "learned_absolute" and not vision)
-
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        return ParallelDims(
-            tp=self.parallel.tp, cp=self.cp.size, dp=self.parallel.dp, pp=self.parallel.pp
-        )
-
-    @property
-    def alignment(self) -> int:
-        """Each sequence is padded to a multiple of this (see ParallelDims.alignment)."""
-        return self.parallel_dims.alignment
-
-    @property
-    def world_size(self) -> int:
-        return self.parallel_dims.world_size
-
-
-def register_configs() -> None:
-    """Register the schemas with Hydra so YAML files are validated against them."""
-    from hydra.core.config_store import ConfigStore
-
-    store = ConfigStore.instance()
-    store.store(name="train_schema", node=TrainConfig)

@@ -1,12 +1,20 @@
-"""Run megatron-core's own training machinery on a machine without CUDA.
+"""Every patch that lets megatron-core run on a machine without CUDA: one registry, installed
+once per process by `install_cpu_patches()`, only when CUDA is absent (GPU runs are untouched).
+megatron code is never edited or copied: each site is neutralised FROM OUTSIDE.
 
-megatron's `DistributedDataParallel`, `get_megatron_optimizer` (plain and distributed),
-`get_forward_backward_func()` (no pipelining, 1F1B) and `finalize_model_grads` run on a CPU with
-gloo except for a few calls that assume CUDA. `apply_megatron_engine_cpu_compat()` neutralises
-each of them FROM OUTSIDE, only when CUDA is absent (GPU runs are untouched), and never edits or
-copies megatron code. Each site is one entry of `PATCHES`, with its file:line per release and a
-`still_needed()` probe that reads the installed source (tests/test_megatron_engine_cpu.py fails
-when megatron stops needing a patch, so that it is removed then).
+Process-wide (the model itself): megatron asks `torch.cuda.current_device()` for a device in a
+few places that also run on CPU (RoPE moves its inverse frequencies there on every forward; the
+MTP loss tracker, the global memory buffer and DDP buffers allocate there), answered "cpu". For
+bf16 autocast, megatron's linear autograd functions are wrapped in `torch.amp.custom_fwd/
+custom_bwd` for device "cuda" only, so on CPU their backward would run outside autocast and
+multiply a bf16 gradient with an fp32 weight; they are re-wrapped for device "cpu".
+
+Site by site (megatron's own training machinery): `DistributedDataParallel`,
+`get_megatron_optimizer` (plain and distributed), `get_forward_backward_func()` (no pipelining,
+1F1B) and `finalize_model_grads` run on a CPU with gloo except for a few calls that assume CUDA.
+Each site is one entry of `PATCHES`, with its file:line per release and a `still_needed()` probe
+that reads the installed source (tests/test_megatron_engine_cpu.py fails when megatron stops
+needing a patch, so that it is removed then).
 
 How, narrowest first:
 
@@ -58,9 +66,9 @@ from dataclasses import dataclass
 
 import torch
 
-from recipe.model.cpu_compat import apply_cpu_compat
+from recipe.environment import cuda_available
 
-_PATCHED = False
+_INSTALLED = False
 
 
 def _on_cpu(device):
@@ -370,14 +378,47 @@ tensor and the multi-instance communication streams of DDP, the Float16 optimize
 `torch.cuda.FloatTensor` branch (bf16 parameters), CPU offloading."""
 
 
-def apply_megatron_engine_cpu_compat() -> bool:
-    """Neutralise every site of `PATCHES` when no GPU exists (after `apply_cpu_compat`).
-    Idempotent; returns True when the patches are active."""
-    global _PATCHED
-    if not apply_cpu_compat():
+def install_cpu_patches() -> bool:
+    """Install every CPU patch (process-wide, then each site of `PATCHES`) when no GPU exists.
+    Idempotent: the first call of a process installs, later ones only answer. Returns True when
+    the patches are active."""
+    global _INSTALLED
+    if cuda_available():
         return False
-    if not _PATCHED:
+    if not _INSTALLED:
+        torch.cuda.current_device = _cpu_device
+        _autocast_linear_functions_on_cpu()
         for patch in PATCHES:
             patch.apply()
-        _PATCHED = True
+        _INSTALLED = True
     return True
+
+
+# --- process-wide -----------------------------------------------------------------------------
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _autocast_linear_functions_on_cpu() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    for name in ("LinearWithGradAccumulationAndAsyncCommunication", "LinearWithFrozenWeight"):
+        function = getattr(layers, name)
+        # custom_fwd/custom_bwd keep the undecorated function as __wrapped__ (functools.wraps).
+        forward = getattr(function.forward, "__wrapped__", function.forward)
+        backward = getattr(function.backward, "__wrapped__", function.backward)
+        function.forward = staticmethod(torch.amp.custom_fwd(forward, device_type="cpu"))
+        function.backward = staticmethod(torch.amp.custom_bwd(backward, device_type="cpu"))
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Seed megatron's model-parallel RNG tracker.
+
+    On CPU the default tracker fails on `torch.cuda.get_rng_state()`; the inference tracker is a
+    no-op that works everywhere. The recipe uses no dropout, so nothing draws from it.
+    """
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not cuda_available())

@@ -1,0 +1,85 @@
+"""The names of a run directory's files, in one place: every reader and writer takes them here.
+
+    <run dir>/metrics.jsonl             one line per optimizer step (rundir/metrics.py)
+              summary.json              the run's summary, written when it ends
+              train.log                 the console, with timestamps (conf/hydra/job_logging)
+              .lock                     the job's claim on the directory (rundir/claim.py)
+              .hydra/                   config.yaml, hydra.yaml, overrides.yaml (job_files.py)
+              tokens/step_00000010.npz  per-token records (rundir/tokens.py)
+              trace/step_00000010.pt    activations and gradients of a step (rundir/traces.py)
+              checkpoints/step_00000010/          a checkpoint, with its manifest.json
+              checkpoints/step_00000010.partial/  one being written (never read)
+              checkpoints/set_aside/              checkpoints of an abandoned timeline
+
+A name changed here changes it for every reader and writer at once; the checkpoints of a run
+written before a change would no longer be found, so these names do not change lightly.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+LOG_FILE = "train.log"
+"""Written by Hydra's job logging (`${hydra.job.name}.log`, the job being `train`)."""
+LOCK_FILE = ".lock"
+HYDRA_DIR = ".hydra"
+CONFIG_FILE = "config.yaml"
+HYDRA_FILE = "hydra.yaml"
+OVERRIDES_FILE = "overrides.yaml"
+TOKENS_DIR = "tokens"
+TRACE_DIR = "trace"
+CHECKPOINTS_DIR = "checkpoints"
+MANIFEST_FILE = "manifest.json"
+PARTIAL_SUFFIX = ".partial"
+SET_ASIDE_DIR = "set_aside"
+
+STEP_PREFIX = "step_"
+STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+"""A checkpoint directory's name; its step is group 1."""
+
+
+def step_name(step: int) -> str:
+    """`step_00000010`: the name of step 10's checkpoint, and the stem of its records."""
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a `step_N` name stands for, or None for any other name."""
+    match = STEP_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def metrics_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / METRICS_FILE
+
+
+def summary_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / SUMMARY_FILE
+
+
+def lock_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / LOCK_FILE
+
+
+def hydra_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / HYDRA_DIR
+
+
+def config_path(run_dir: str | Path) -> Path:
+    """The job's resolved config as Hydra composed it: `.hydra/config.yaml`."""
+    return hydra_dir(run_dir) / CONFIG_FILE
+
+
+def tokens_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / TOKENS_DIR
+
+
+def trace_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / TRACE_DIR
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS_DIR
