@@ -46,6 +46,23 @@ def test_exact_scaling_refuses_a_megatron_that_never_takes_the_scales():
     scales.confirm_taken()  # the queue was cleared: the next step starts clean
 
 
+def test_two_scales_objects_take_turns_at_megatrons_autoscaler():
+    """Two Trainers in one process (benchmarks/engine_step.py steps both engines in turn): each
+    micro-batch's `prepare` binds its own object's autoscaler, so the MTP layers of the forward
+    that follows take the scales just queued, whichever object was made or bound last."""
+    from megatron.core.transformer import multi_token_prediction
+
+    first, second = mtp.MTPBackwardScales(), mtp.MTPBackwardScales()
+    counts = (100, [90, 80], torch.tensor(50.0), torch.tensor([45.0, 40.0]))
+    for scales in (first, second, first, second):
+        scales.prepare("exact", *counts)
+        bound = multi_token_prediction.MTPLossAutoScaler
+        assert bound is scales.autoscaler
+        for _ in range(2):  # one call per MTP layer, as megatron makes them
+            bound.apply(torch.ones(2, requires_grad=True), torch.tensor(1.0, requires_grad=True))
+        scales.confirm_taken()
+
+
 def test_mtp_loss_means_are_read_and_reset_on_this_stack():
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 

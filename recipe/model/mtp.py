@@ -157,8 +157,9 @@ class MTPBackwardScales:
     autoscaler, where megatron calls it (the GPT model on 0.16, `process_mtp_loss` on 0.19), for
     one that takes a scale per MTP layer from this object's queue, chosen so that every target of
     layer k weighs 1 / (global count of layer k), the local ratio divided back out.
-    `mtp.scaling=upstream` leaves the release's weighting alone. The queue belongs to the object
-    (one per process is installed at a time): its autoscaler reads only its own.
+    `mtp.scaling=upstream` leaves the release's weighting alone. The queue belongs to the object:
+    its autoscaler reads only its own, and `prepare` binds it for the forward that follows, so
+    several objects (two Trainers in one process) can take turns.
     """
 
     def __init__(self):
@@ -228,7 +229,7 @@ class MTPBackwardScales:
         """Before the forward of one training micro-batch: set what megatron's MTP autoscaler
         gives the MTP targets at backward time.
 
-        exact: per layer, `mtp_layer_backward_scales` (needs `install`), times
+        exact: per layer, `mtp_layer_backward_scales` (this object's autoscaler bound), times
         `gradient_divisor` when the engine divides every gradient by it after backward
         (megatron's). upstream: what megatron's own schedule does with per-token losses: a scale
         of 1 and every gradient divided by the step's global main-loss count
@@ -237,6 +238,9 @@ class MTPBackwardScales:
         """
         self.pending.clear()
         if scaling == "exact":
+            # bound here, for this forward: another object (a second Trainer in the process, as
+            # in benchmarks/engine_step.py) may have bound its own since
+            self.install()
             scales = mtp_layer_backward_scales(
                 global_layer_counts, local_lm_count, local_layer_counts
             )

@@ -91,9 +91,7 @@ class Trainer:
         """fp32 or bf16 (autocast around every forward), resolved for this device."""
         self.corpus = corpus
         self.mtp_scales = MTPBackwardScales()
-        """The MTP backward scales of every micro-batch (mtp.scaling=exact: installed here)."""
-        if cfg.mtp.enabled and cfg.mtp.scaling == "exact":
-            self.mtp_scales.install()
+        """The MTP backward scales of this run's micro-batches (mtp.scaling)."""
         self.model = build_model(cfg, corpus.vocab_size, device, layout.cp_rank)
         """This rank's model (its pipeline stage at parallel.pp > 1), unwrapped."""
         self.engine = build_engine(self.model, cfg, layout)
