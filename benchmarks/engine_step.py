@@ -1,11 +1,11 @@
-"""Benchmark: one optimizer step on megatron-core's engine against the recipe's, in one run.
+"""Benchmark: one optimizer step on megatron-core's engine (the default) against the reference loop.
 
 Both engines train the same model on the same steps of data in this process (a world of one, or
 under torchrun a world of any layout), their steps interleaved so that a loaded machine slows both
 alike. It prints, per engine, the median, min and max step time over the timed steps (after
-warm-up steps) and the ratio megatron / recipe of the medians. A report: it exits 0. What the
+warm-up steps) and the ratio megatron / reference of the medians. A report: it exits 0. What the
 ratio holds: megatron's DDP copies every gradient into its contiguous buffer (`main_grad`) and its
-optimizer copies it back, where the recipe's loop all-reduces `.grad` in place; on one CPU process
+optimizer copies it back, where the reference loop all-reduces `.grad` in place; on one CPU process
 both costs are small next to the forward and backward of even the tiny model.
 
     .venv/bin/python benchmarks/engine_step.py                      # tiny model, 1 rank
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     base = compose_typed(overrides)
     with groups.parallel_world(base.parallel_dims) as layout:
         corpus = load_corpus(base.data, base.image_grid)
-        trainers = {e: _trainer(overrides, e, layout, corpus)[1] for e in ("recipe", "megatron")}
+        trainers = {e: _trainer(overrides, e, layout, corpus)[1] for e in ("reference", "megatron")}
         times: dict[str, list[float]] = {e: [] for e in trainers}
         losses: dict[str, list[float]] = {e: [] for e in trainers}
         for step in range(total):
@@ -87,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             f"  {engine:9s} median {medians[engine] * 1e3:8.1f} ms   min {min(series) * 1e3:8.1f}"
             f"   max {max(series) * 1e3:8.1f}"
         )
-    print(f"  megatron / recipe (medians): {medians['megatron'] / medians['recipe']:.3f}")
+    print(f"  megatron / reference (medians): {medians['megatron'] / medians['reference']:.3f}")
     drift = max(
-        abs(a - b) / abs(b) for a, b in zip(losses["megatron"], losses["recipe"], strict=True)
+        abs(a - b) / abs(b) for a, b in zip(losses["megatron"], losses["reference"], strict=True)
     )
     print(f"  largest lm_loss difference between the engines: {drift:.2e} relative")
     return 0

@@ -64,13 +64,15 @@ def norms(overrides: list[str]) -> None:
     from recipe.data.corpus import load_corpus
     from recipe.launch.compose import compose_typed
     from recipe.launch.local import lone_world
-    from recipe.training.step import forward_step
+    from recipe.training.micro_batch import MicroBatchPass, run_micro_batch
     from recipe.training.trainer import Trainer
 
     cfg = compose_typed([*QUIET, "trainer.loss_spike.factor=0", *overrides])
     with lone_world(cfg.trainer.seed) as layout:
         trainer = Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data))
-        batch = trainer.eval_chunks[0].micro_batches[0]
+        work = trainer.eval_chunks[0]
+        batch = work.micro_batches[0]
+        micro = MicroBatchPass(work, cfg, layout, trainer.precision, trainer.model, training=False)
         real = batch.loss_mask.bool()
         captured, recording = {}, [False]
 
@@ -87,7 +89,7 @@ def norms(overrides: list[str]) -> None:
             trainer.model.eval()
             recording[0] = True
             with torch.no_grad():
-                forward_step(batch, trainer.model, cfg.passes_position_ids)
+                run_micro_batch(micro, 0, trainer.model, backward=False)
             recording[0] = False
             trainer.model.train()
             return {n: v.mean(0) for n, v in captured.items()} | {

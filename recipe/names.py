@@ -20,8 +20,9 @@ CP_COMM_TYPES = ("p2p", "a2a", "all_gather")
 PASS_POSITION_IDS = ("auto", "mtp_only", "not_vision", "always", "never")
 VISION_POSITIONS = ("full_stream", "rank_local", "stock_sharded", "text_1d")
 MTP_SCALINGS = ("exact", "upstream")
-ENGINES = ("recipe", "megatron")
-"""trainer.engine: the recipe's own loop, or megatron-core's DDP, optimizer and schedules."""
+ENGINES = ("megatron", "reference")
+"""trainer.engine: megatron-core's DDP, optimizer and schedules, or the recipe's own loop (the
+reference megatron's is checked against)."""
 NONFINITE_ACTIONS = ("stop", "skip_step")
 """trainer.on_nonfinite: what the step guard does with a NaN/inf loss or gradient norm."""
 SPIKE_ACTIONS = ("warn", "skip_step", "stop")

@@ -61,9 +61,21 @@ def test_negative_control_verl_legacy_fails_parity(shared_runs):
     assert gap > 100 * RTOL, f"the pre-fix formula should break parity, gap was {gap:.2e}"
 
 
-def test_data_parallel_ranks_without_sequences_keep_parity(shared_runs):
+@pytest.mark.parametrize(
+    "engine",
+    [
+        [],  # megatron's: an idle rank joins finalize_model_grads without running the schedule
+        [  # ... with the buckets' reductions it must issue itself, sharded over dp
+            "trainer.megatron.use_distributed_optimizer=true",
+            "trainer.megatron.overlap_grad_reduce=true",
+        ],
+        ["trainer.engine=reference"],
+    ],
+    ids=["megatron", "megatron-distributed-overlap", "reference"],
+)
+def test_data_parallel_ranks_without_sequences_keep_parity(shared_runs, engine):
     """Steps with fewer sequences than dp ranks leave a rank idle; the update must not change."""
-    small_steps = [*COMMON, "batching.tokens_per_step=128", "trainer.max_steps=6"]
+    small_steps = [*COMMON, *engine, "batching.tokens_per_step=128", "trainer.max_steps=6"]
     reference = shared_runs.history(small_steps)
     history = shared_runs.history([*small_steps, "parallel.dp=4"])
     assert any(h["micro_batches"] < 4 for h in history), "some step must leave a rank idle"

@@ -105,6 +105,8 @@ def test_bad_spike_settings_are_startup_errors(overrides, fragment):
 
 SPIKE_AT = 6  # step 5 takes a large step of gradient ascent: step 6's loss jumps
 INJECTED = [
+    "trainer.engine=reference",  # the injection scales its learning rate; megatron's engine has
+    # its own skip test (test_megatron_engine.py)
     "trainer.max_steps=8",
     "trainer.loss_spike.window=3",
     "trainer.loss_spike.factor=1.5",
@@ -116,7 +118,7 @@ def _inject_lr_scale(step_index: int = SPIKE_AT - 2, scale: float = -300.0):
     """Scale the learning rate of one step (lr_at takes the 0-based step index); -300 turns it
     into a large step uphill (measured on the tiny config: lm_loss 4.84 at step 5, 11.58 at
     step 6; a scale of +300 happens to lower the loss there)."""
-    from recipe.training import engine
+    from recipe.training.engines import reference as engine
 
     original = engine.lr_at
 
@@ -130,7 +132,7 @@ def _inject_lr_scale(step_index: int = SPIKE_AT - 2, scale: float = -300.0):
 def _train_with_injected_spike(cfg):
     """On every rank: train with one step's learning rate scaled up."""
     from recipe.launch.rank import train
-    from recipe.training import engine
+    from recipe.training.engines import reference as engine
 
     original = _inject_lr_scale()
     try:
@@ -170,8 +172,8 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
 
 def test_skip_step_leaves_weights_and_optimizer_state_untouched():
     from recipe.data.corpus import load_corpus
-    from recipe.training import engine as engine_module
     from recipe.training import trainer as trainer_module
+    from recipe.training.engines import reference as engine_module
     from tests.helpers.world import lone_world
 
     cfg = typed_config([*INJECTED, "trainer.loss_spike.action=skip_step"])

@@ -17,7 +17,8 @@ from tests.helpers.config import typed_config
 
 pytestmark = pytest.mark.stack_dependent
 
-MEGATRON = ["trainer.engine=megatron"]
+MEGATRON = ["trainer.engine=megatron"]  # the default, named: these tests are about it
+REFERENCE = ["trainer.engine=reference"]
 # Two layers (two stages at pp=2), two MTP layers on the last stage, learned positions (which the
 # MTP block embeds again on the last stage), a short warmup so the cosine decay is reached.
 PIPELINE_MODEL = [
@@ -116,7 +117,7 @@ def _assert_same_training(result: dict, reference: dict, rtol: float = RTOL) -> 
 @given(warmup=st.integers(0, 12), total=st.integers(1, 30))
 def test_megatron_scheduler_gives_the_recipes_learning_rate_at_every_step(warmup, total):
     from recipe.config import OptimConfig, TrainConfig, TrainerConfig
-    from recipe.training.megatron_engine import build_scheduler, scheduler_steps
+    from recipe.training.engines.megatron_core import build_scheduler, scheduler_steps
     from recipe.training.optimizer import lr_at
 
     cfg = TrainConfig(
@@ -134,7 +135,7 @@ def test_megatron_scheduler_gives_the_recipes_learning_rate_at_every_step(warmup
 def test_megatrons_own_warmup_would_start_at_zero():
     """Why `scheduler_steps` exists: megatron's scheduler at its own first position gives lr 0,
     the recipe's first step lr / warmup."""
-    from recipe.training.megatron_engine import build_scheduler
+    from recipe.training.engines.megatron_core import build_scheduler
 
     cfg = typed_config(["optim.warmup_steps=4"])
     optimizer = types.SimpleNamespace(param_groups=[{}])
@@ -146,8 +147,9 @@ def test_megatrons_own_warmup_would_start_at_zero():
 
 
 @pytest.fixture(scope="module")
-def recipe_pp1(worlds, tmp_path_factory):
-    return _run(worlds, [*PIPELINE_MODEL, RECORDED], run_dir=tmp_path_factory.mktemp("recipe"))
+def reference_pp1(worlds, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference")
+    return _run(worlds, [*PIPELINE_MODEL, *REFERENCE, RECORDED], run_dir=run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -156,17 +158,19 @@ def megatron_pp1(worlds, tmp_path_factory):
     return _run(worlds, [*PIPELINE_MODEL, *MEGATRON, RECORDED], run_dir=run_dir)
 
 
-def test_megatron_engine_equals_the_recipe_engine_at_cp1(recipe_pp1, megatron_pp1):
+def test_megatron_engine_equals_the_reference_engine_at_cp1(reference_pp1, megatron_pp1):
     """Measured (0.19.2, 4 steps, exact MTP scaling on both engines): lm_loss equal to the last
     digit, mtp_loss within 2.1e-8, grad_norm within 7.3e-8, weights within 5e-7 but three
     elements (3.1e-6 at most, Adam on near-zero gradients)."""
-    _assert_same_training(megatron_pp1, recipe_pp1)
-    _assert_same_token_losses(megatron_pp1, recipe_pp1)
+    _assert_same_training(megatron_pp1, reference_pp1)
+    _assert_same_token_losses(megatron_pp1, reference_pp1)
 
 
 @pytest.mark.distributed
-def test_megatron_engine_at_dp2_equals_the_recipe_engine(worlds, recipe_pp1):
-    _assert_same_training(_run(worlds, [*PIPELINE_MODEL, *MEGATRON, "parallel.dp=2"]), recipe_pp1)
+def test_megatron_engine_at_dp2_equals_the_reference_engine(worlds, reference_pp1):
+    _assert_same_training(
+        _run(worlds, [*PIPELINE_MODEL, *MEGATRON, "parallel.dp=2"]), reference_pp1
+    )
 
 
 def _weigh_rank0_twice(trainer):
@@ -189,10 +193,10 @@ def _weigh_rank0_twice(trainer):
 
 
 @pytest.mark.distributed
-def test_negative_control_a_rank_weighted_loss_fails_the_engine_comparison(worlds, recipe_pp1):
+def test_negative_control_a_rank_weighted_loss_fails_the_engine_comparison(worlds, reference_pp1):
     result = _run(worlds, [*PIPELINE_MODEL, *MEGATRON, "parallel.dp=2"], _weigh_rank0_twice)
     with pytest.raises(AssertionError):
-        _assert_same_training(result, recipe_pp1)
+        _assert_same_training(result, reference_pp1)
 
 
 @pytest.mark.distributed
@@ -241,19 +245,19 @@ def test_tp2_x_pp2_equals_pp1(worlds, megatron_pp1):
 
 
 @pytest.mark.distributed
-def test_a_trace_on_megatrons_engine_matches_the_recipe_engines(shared_runs):
+def test_a_trace_on_megatrons_engine_matches_the_reference_engines(shared_runs):
     """Activation traces and the summed gradients (megatron keeps them in main_grad: its
     optimizer hands them to .grad before the trace reads them) of megatron's engine at dp=2
-    line up with the recipe engine's at dp=1: no module diverges."""
+    line up with the reference engine's at dp=1: no module diverges."""
     from recipe.compare.diverge import compare_traces, first_divergence
     from recipe.rundir.traces import read_trace
 
     traced = [*PIPELINE_MODEL, "trainer.trace_steps=[2]"]
-    _, recipe = read_trace(shared_runs.run_dir(traced), 2)
+    _, reference = read_trace(shared_runs.run_dir([*traced, *REFERENCE]), 2)
     _, megatron = read_trace(shared_runs.run_dir([*traced, *MEGATRON, "parallel.dp=2"]), 2)
-    diffs = compare_traces(megatron, recipe, rtol=RTOL)
+    diffs = compare_traces(megatron, reference, rtol=RTOL)
     gradients = [d for d in diffs if d.kind == "gradient"]
-    assert recipe["grads"] and len(gradients) == len(recipe["grads"])
+    assert reference["grads"] and len(gradients) == len(reference["grads"])
     assert first_divergence(diffs, RTOL, "activation") is None
     assert first_divergence(diffs, RTOL, "gradient") is None
 
@@ -303,7 +307,7 @@ def test_finding_per_micro_batch_mean_loss_depends_on_the_cp_layout(worlds):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["parallel.pp=2", "model.num_layers=2"], "Add trainer.engine=megatron"),
+        ([*REFERENCE, "parallel.pp=2", "model.num_layers=2"], "the default is megatron"),
         ([*MEGATRON, "parallel.pp=2", "model.num_layers=3"], "multiple of 2"),
         (
             [*MEGATRON, "trainer.megatron.average_in_collective=true"],
@@ -322,6 +326,7 @@ def test_finding_per_micro_batch_mean_loss_depends_on_the_cp_layout(worlds):
             "use_distributed_optimizer=false",
         ),
         (["trainer.engine=deepspeed"], "trainer.engine"),
+        (["trainer.engine=recipe"], "now named trainer.engine=reference"),
     ],
 )
 def test_unsupported_engine_settings_are_start_up_errors(overrides, message):
@@ -365,12 +370,12 @@ def test_a_resumed_megatron_run_continues_bit_for_bit(shared_runs, layout):
 
 
 @pytest.mark.distributed
-def test_a_pp2_distributed_optimizer_checkpoint_resumes_at_pp1_and_on_the_recipe_engine(
+def test_a_pp2_distributed_optimizer_checkpoint_resumes_at_pp1_and_on_the_reference_engine(
     shared_runs,
 ):
     """Checkpoints do not depend on the layout or the engine that wrote them: a pp=2, dp=2 run
     with the distributed optimizer resumes at pp=dp=1 with the plain optimizer, and on the
-    recipe's engine, within the parity tolerance of the uninterrupted pp=1 run."""
+    reference engine, within the parity tolerance of the uninterrupted pp=1 run."""
     from recipe.compare.diff import compare
     from recipe.compare.runs import load_run
 
@@ -381,7 +386,7 @@ def test_a_pp2_distributed_optimizer_checkpoint_resumes_at_pp1_and_on_the_recipe
     ]
     source = shared_runs.run_dir([*CHECKPOINTED, *written])
     reference = shared_runs.run_dir(CHECKPOINTED)
-    for engine in ("megatron", "recipe"):
+    for engine in ("megatron", "reference"):
         resumed = shared_runs.run_dir([*CHECKPOINTED, f"trainer.engine={engine}", _step2(source)])
         result = compare(load_run(resumed), load_run(reference), rtol=RTOL)
         assert result.passed, (engine, result)
@@ -393,7 +398,7 @@ def test_negative_control_a_resume_that_drops_the_optimizer_shards_is_not_bit_ex
     """The distributed optimizer (at dp=1 it holds one shard of everything) resumed with its
     state left empty: the continued curve must differ, or the test above proves nothing."""
     from recipe.launch.rank import train
-    from recipe.training import megatron_engine
+    from recipe.training.engines import megatron_core as megatron_engine
 
     layout = ["trainer.megatron.use_distributed_optimizer=true"]
     whole = shared_runs.run_dir([*CHECKPOINTED, *layout])

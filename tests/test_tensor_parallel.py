@@ -126,7 +126,11 @@ def test_sequence_parallel_splits_tokens_and_sums_norm_gradients(worlds):
         ),
         (["parallel.tp=3"], "parallel.tp=3 is not supported"),
         (["parallel.sequence_parallel=true"], "needs parallel.tp > 1"),
-        (["parallel.pp=2"], "parallel.pp=2: pipeline parallelism runs on megatron-core"),
+        (
+            ["trainer.engine=reference", "parallel.pp=2", "model.num_layers=2"],
+            "parallel.pp=2: pipeline parallelism runs on megatron-core",
+        ),
+        (["parallel.pp=2"], "parallel.pp=2 splits model.num_layers=1 into equal stages"),
     ],
 )
 def test_impossible_tensor_parallel_layouts_fail_at_start(overrides, fragment):

@@ -171,7 +171,7 @@ def test_bf16_autocast_trains_with_fp32_master_weights_close_to_fp32():
         assert mixed.precision == "bf16"
         bf16 = [mixed.train_step().lm_loss for _ in range(3)]
         assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
-        moments = [s["exp_avg"] for s in mixed.optimizer.state.values()]
+        moments = [s["exp_avg"] for s in mixed.engine.optimizer_state().values()]
         assert moments and all(m.dtype == torch.float32 for m in moments)
     assert bf16 != fp32
     for a, b in zip(fp32, bf16):

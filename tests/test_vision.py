@@ -173,11 +173,11 @@ def test_mrope_with_three_equal_axes_is_rope():
     from recipe.model.gpt import build_gpt_model
     from recipe.model.mrope import StreamRotaryEmbedding, rope_table
     from recipe.parallel.cp.zigzag import local_token_identity
-    from recipe.training.step import forward_step
+    from tests.helpers.micro import run_packed
 
-    cfg = typed_config(VISION)
+    cfg = typed_config([*VISION, "model.pass_position_ids=never"])
     batch = pack_sequences([[1, 2, 3, 4, 5], list(range(7, 40))], alignment=4, pad_id=0)
-    with lone_world():
+    with lone_world() as layout:
         rope = build_gpt_model(cfg.model, vocab_size=259, max_sequence_length=64, seed=5)
         mrope = build_gpt_model(
             cfg.model, vocab_size=259, max_sequence_length=64, seed=5, mrope_section=[2, 3, 3]
@@ -185,8 +185,8 @@ def test_mrope_with_three_equal_axes_is_rope():
         mrope.rotary_pos_emb = StreamRotaryEmbedding(mrope.rotary_pos_emb)
         ids = local_token_identity(batch.cu_seqlens_padded, 1, 0)[1].expand(3, -1)
         mrope.rotary_pos_emb.table = rope_table(mrope.rotary_pos_emb, ids, [2, 3, 3])
-        expected = forward_step(batch, rope, pass_position_ids=False).per_token_loss
-        got = forward_step(batch, mrope, pass_position_ids=False).per_token_loss
+        expected = run_packed(batch, rope, cfg, layout).per_token_loss
+        got = run_packed(batch, mrope, cfg, layout).per_token_loss
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
 
 

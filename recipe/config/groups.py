@@ -271,7 +271,7 @@ class ParallelConfig:
     """Megatron's sequence parallelism: with tp > 1, activations outside the tensor-parallel
     linears (norms, dropout, residuals) are split along the tokens across tp ranks."""
     pp: int = 1
-    """Pipeline-parallel stages (megatron's 1F1B schedule; needs trainer.engine=megatron).
+    """Pipeline-parallel stages (megatron's 1F1B schedule: trainer.engine=megatron, the default).
     model.num_layers must be divisible by it; MTP layers sit on the last stage."""
 
     def __post_init__(self) -> None:
@@ -492,15 +492,22 @@ class TrainerConfig:
     <run dir>/trace/step_N.pt, for `python -m recipe.compare.diverge` (small models, tp=1)."""
     requeue: bool = False
     """After the checkpoint that SIGTERM/SIGUSR1 triggers, requeue the SLURM job (scontrol)."""
-    engine: str = "recipe"
-    """recipe: the recipe's own loop (torch AdamW, its gradient all-reduce) | megatron:
-    megatron-core's DistributedDataParallel, get_megatron_optimizer, OptimizerParamScheduler,
-    get_forward_backward_func() schedules (1F1B at parallel.pp > 1) and finalize_model_grads."""
+    engine: str = "megatron"
+    """megatron: megatron-core's DistributedDataParallel, get_megatron_optimizer,
+    OptimizerParamScheduler, get_forward_backward_func() schedules (1F1B at parallel.pp > 1) and
+    finalize_model_grads, as Megatron-LM, verl and Megatron-Bridge train | reference: the recipe's
+    own loop (torch AdamW, its gradient all-reduce and clipping), the independent reference
+    megatron's engine is checked against (experiment=engine_parity); no pipeline parallelism."""
     megatron: MegatronEngineConfig = field(default_factory=MegatronEngineConfig)
     """Options of trainer.engine=megatron."""
 
     def __post_init__(self) -> None:
         one_of("trainer.precision", self.precision, PRECISIONS)
+        require(
+            self.engine != "recipe",
+            "trainer.engine=recipe is now named trainer.engine=reference (the recipe's own loop); "
+            "the default is trainer.engine=megatron",
+        )
         one_of("trainer.engine", self.engine, ENGINES)
         require(
             not (self.megatron.calculate_per_token_loss and self.megatron.average_in_collective),

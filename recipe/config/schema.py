@@ -165,7 +165,8 @@ class TrainConfig:
         require(
             engine == "megatron",
             f"parallel.pp={pp}: pipeline parallelism runs on megatron-core's own schedule (1F1B); "
-            f"trainer.engine={engine} runs its micro-batches itself. Add trainer.engine=megatron",
+            f"trainer.engine={engine} runs its micro-batches itself. Remove "
+            f"trainer.engine={engine} (the default is megatron)",
         )
         require(
             self.model.num_layers % pp == 0,

@@ -233,7 +233,7 @@ class MTPBackwardScales:
         `gradient_divisor` when the engine divides every gradient by it after backward
         (megatron's). upstream: what megatron's own schedule does with per-token losses: a scale
         of 1 and every gradient divided by the step's global main-loss count
-        (`finalize_model_grads`). The recipe's engine (`gradient_divisor` None) folds that into
+        (`finalize_model_grads`). The reference engine (`gradient_divisor` None) folds that into
         the one scale; on megatron's engine its own schedule sets the scale.
         """
         self.pending.clear()

@@ -117,6 +117,10 @@ class VisionLanguageModel(torch.nn.Module):
         cp_rank: int,
     ):
         super().__init__()
+        # megatron's DDP and schedules read the model's config: the language model's, as in
+        # megatron's own multimodal models
+        self.config = language_model.config
+        self.model_type = language_model.model_type
         self.language_model = language_model
         self.vision_encoder = vision_encoder
         self.vision_projection = vision_projection
@@ -125,6 +129,10 @@ class VisionLanguageModel(torch.nn.Module):
         self.mrope_section = list(mrope_section)
         self.positions = positions
         self.cp_size, self.cp_rank = cp_size, cp_rank
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """megatron's schedules hand a pipeline stage its input here (vision runs at pp=1)."""
+        self.language_model.set_input_tensor(input_tensor)
 
     @property
     def rope(self) -> StreamRotaryEmbedding:

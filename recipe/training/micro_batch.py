@@ -1,23 +1,30 @@
-"""The work of one micro-batch, the same on both engines: the seam between the step and the model.
+"""The one driver of a micro-batch, the same on both engines: the seam between step and model.
 
-The recipe's loop and megatron's schedules (which call only `forward_step(data_iterator, model)`
-and the loss function it returns) both run a micro-batch through `MicroBatchPass`: before the
-forward, the exact MTP backward scales; the model call under autocast, with the per-token losses
-captured for `trainer.record_tokens` and the activation trace told which tokens it sees; after it,
-the loss in Megatron-LM's contract, `(loss_sum, num_tokens, report)`, and the per-token rows. So
-`mtp.scaling`, token records and traces mean the same whichever engine steps the optimizer.
+`MicroBatchPass.forward` is the only code that calls the model on a micro-batch, and the loss
+function it returns the only code that turns the output into a loss: before the forward, the
+exact MTP backward scales; the model call (the one place that passes position_ids, images and
+the loss mask) under autocast, with the per-token losses captured for `trainer.record_tokens` and
+the activation trace told which tokens it sees; after it, the loss in Megatron-LM's contract,
+`(loss_sum, num_tokens, report)`, and the per-token rows. megatron's schedules call it as
+`forward_step(data_iterator, model)` and run backward themselves; everything else (the reference
+engine, the GPU checks, the benchmarks, the tests) calls `run_micro_batch`, which adds the
+reference engine's backward. So `mtp.scaling`, token records and traces mean the same whichever
+engine steps the optimizer, and a test of a micro-batch tests what training runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 
+from recipe.data.packing import PackedBatch
+from recipe.model.gpt import packed_seq_params
 from recipe.model.mtp import MTPBackwardScales, captured_token_losses, take_mtp_loss_means
 from recipe.model.numerics import autocast
-from recipe.training.step import LM, ForwardOutput, StepWork, loss_func, model_call
+from recipe.training.step import LM, StepWork, mtp_report_name
 from recipe.training.tokens import token_rows
 
 REPORT = "report"
@@ -43,7 +50,7 @@ class MicroBatchPass:
     ):
         """`gradient_divisor`: what the engine divides every gradient by after backward
         (megatron's finalize_model_grads: the step's global token count with per-token losses;
-        its DDP: dp x cp otherwise); None for the recipe's engine, which divides before. The
+        its DDP: dp x cp otherwise); None for the reference engine, which divides before. The
         exact MTP scales are multiplied by it, so they mean the same after the division.
         `mtp_scales`: the run's MTP backward scales, installed where megatron calls its
         autoscaler when mtp.scaling=exact (the model's builder's)."""
@@ -93,7 +100,7 @@ class MicroBatchPass:
             ) as captured,
             autocast(batch.input_ids.device, self.precision),
         ):
-            output = model_call(batch, model, cfg.passes_position_ids)
+            output = _model_call(batch, model, cfg.passes_position_ids)
         if mtp:
             self.mtp_scales.confirm_taken()
         return output, functools.partial(self.loss, index, captured)
@@ -105,14 +112,12 @@ class MicroBatchPass:
         mtp_means = None
         if batch.mtp_mask is not None and self.training:
             mtp_means = take_mtp_loss_means(batch.mtp_mask.shape[0]).to(output.device)
-        result = ForwardOutput(output.squeeze(0), mtp_means)
-        loss_sum, num_tokens, report = loss_func(batch, result)
+        per_token_loss = output.squeeze(0)
+        loss_sum, num_tokens, report = _loss_and_report(batch, per_token_loss, mtp_means)
         if captured is not None:
             mtp_losses = captured[:-1]  # megatron computes the MTP depths' losses first
             self.token_rows_out.append(
-                token_rows(
-                    batch, result.per_token_loss, self.work.samples[index], self.layout, mtp_losses
-                )
+                token_rows(batch, per_token_loss, self.work.samples[index], self.layout, mtp_losses)
             )
         stacked = torch.stack([report[name] for name in self.names])
         return loss_sum, num_tokens.to(torch.int), {REPORT: stacked}
@@ -121,3 +126,76 @@ class MicroBatchPass:
         """`forward_step(data_iterator, model)` for megatron's schedules: the iterator yields
         micro-batch indices."""
         return self.forward(next(data_iterator), model)
+
+
+@dataclass
+class MicroBatchLoss:
+    """What `run_micro_batch` returns for one micro-batch on this rank."""
+
+    loss_sum: torch.Tensor
+    """The masked next-token loss sum (what backward saw), before the division."""
+    num_tokens: torch.Tensor
+    """Its loss-masked token count."""
+    report: torch.Tensor
+    """[names, 2] float64 (sum, count) per loss of `names` (lm, mtp_1, ...), detached."""
+    names: list[str]
+    per_token_loss: torch.Tensor
+    """[T_local] next-token loss of every local token (padding and masked ones too), detached;
+    on a pipeline stage without the loss, its output hidden states."""
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """The (sum, count) pair of loss `name`."""
+        return self.report[self.names.index(name)]
+
+
+def run_micro_batch(
+    micro: MicroBatchPass, index: int, model, backward: bool = True
+) -> MicroBatchLoss:
+    """Micro-batch `index` of `micro` through `model` as the reference engine runs it: forward,
+    loss and, with `backward`, backward of its loss divided by the step's GLOBAL count of predicted
+    tokens (so that the gradients summed over micro-batches and ranks are the cp=1 gradient)."""
+    output, finish = micro.forward(index, model)
+    loss_sum, num_tokens, report = finish(output)
+    if backward:
+        (loss_sum / micro.work.global_predicted_tokens).backward()
+    return MicroBatchLoss(
+        loss_sum, num_tokens, report[REPORT], micro.names, output.detach().squeeze(0)
+    )
+
+
+def _model_call(batch: PackedBatch, model, pass_position_ids: bool) -> torch.Tensor:
+    """The model call for one packed micro-batch: [1, T] per-token losses from the last (or only)
+    pipeline stage, hidden states from the others."""
+    kwargs = {}
+    if batch.mtp_mask is not None:
+        kwargs["loss_mask"] = batch.loss_mask.unsqueeze(0)  # megatron rolls it per MTP layer
+    if batch.images is not None:
+        kwargs["batch"] = batch  # images, their slots and the stream for the 3-D positions
+    return model(
+        input_ids=batch.input_ids.unsqueeze(0),
+        position_ids=batch.position_ids.unsqueeze(0) if pass_position_ids else None,
+        attention_mask=None,
+        labels=batch.labels.unsqueeze(0),
+        packed_seq_params=packed_seq_params(batch),
+        **kwargs,
+    )
+
+
+def _loss_and_report(
+    batch: PackedBatch, per_token_loss: torch.Tensor, mtp_means: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's masked next-token loss sum (what backward sees), its token count, and the
+    report: float64 `[sum, count]` per named loss. `mtp_means`: per MTP layer, the mean loss
+    megatron tracked for this micro-batch on this rank (training with mtp=on only; the MTP
+    gradient itself reaches the model inside megatron)."""
+    loss_sum = (per_token_loss.float() * batch.loss_mask).sum()
+    num_tokens = batch.loss_mask.sum()
+    report = {LM: torch.stack([loss_sum.detach().double(), num_tokens.double()])}
+    if mtp_means is not None:
+        counts = batch.mtp_mask.sum(-1).double()
+        means = mtp_means.double()
+        # A rank with no MTP target in this micro-batch tracked 0/0; it contributes nothing.
+        sums = torch.where(counts > 0, means * counts, torch.zeros_like(counts))
+        for k in range(counts.numel()):
+            report[mtp_report_name(k)] = torch.stack([sums[k], counts[k]])
+    return loss_sum, num_tokens, report

@@ -1,12 +1,10 @@
-"""One optimizer step's work on this rank, and the per-micro-batch contract of the model call.
+"""One optimizer step's work on this rank.
 
 `plan_step` splits a step's whole sequences across data-parallel ranks, into budgeted micro-batches,
 packs each on the global stream and shards it for this CP rank at the one point CP is applied.
-Then, as in Megatron's `pretrain_gpt.py`: `forward_step(batch, model)` builds the model call (the
-one place that passes position_ids, and later images or 3-D positions) and `loss_func(batch,
-output)` turns its output into `(loss_sum, num_tokens, report)`, where the report holds a
-`[sum, count]` pair per named loss (`lm`, `mtp_1`, ...). The loop adds the reports up on the
-model's device, reduces them with one all-reduce per step and divides once.
+What runs them through the model is recipe/training/micro_batch.py; the report it returns holds a
+`[sum, count]` pair per named loss (`lm`, `mtp_1`, ...), which the trainer adds up on the model's
+device, reduces with one all-reduce per step and divides once.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ from recipe.config.layout import ParallelLayout
 from recipe.data.batching import plan_micro_batches, split_across_ranks
 from recipe.data.packing import PackedBatch, attach_images, pack_sequences
 from recipe.data.thd import aligned_length
-from recipe.model.gpt import packed_seq_params
-from recipe.model.mtp import predicted_token_counts, rolled_loss_masks, take_mtp_loss_means
+from recipe.model.mtp import predicted_token_counts, rolled_loss_masks
 from recipe.parallel.cp.shard import shard_batch
 from recipe.training.preprocess import load_preprocess
 
@@ -121,58 +118,3 @@ def plan_step(
             torch.tensor(mtp_targets, dtype=torch.float64).to(device) if mtp_targets else None
         ),
     )
-
-
-@dataclass
-class ForwardOutput:
-    per_token_loss: torch.Tensor
-    """[T_local] next-token cross entropy of every local token (masked later)."""
-    mtp_means: torch.Tensor | None
-    """Per MTP layer, the mean loss megatron tracked for this micro-batch on this rank (training
-    with mtp=on only; the MTP gradient itself reaches the model inside megatron)."""
-
-
-def forward_step(batch: PackedBatch, model, pass_position_ids: bool = True) -> ForwardOutput:
-    """One packed micro-batch through the whole model: its per-token losses (and, training
-    with MTP, the per-layer MTP means megatron tracked)."""
-    per_token = model_call(batch, model, pass_position_ids)
-    mtp_means = None
-    if batch.mtp_mask is not None and model.training:
-        mtp_means = take_mtp_loss_means(batch.mtp_mask.shape[0]).to(per_token.device)
-    return ForwardOutput(per_token.squeeze(0), mtp_means)
-
-
-def model_call(batch: PackedBatch, model, pass_position_ids: bool = True) -> torch.Tensor:
-    """The model call for one packed micro-batch, the only place that builds it: [1, T] per-token
-    losses from the last (or only) pipeline stage, hidden states from the others."""
-    kwargs = {}
-    if batch.mtp_mask is not None:
-        kwargs["loss_mask"] = batch.loss_mask.unsqueeze(0)  # megatron rolls it per MTP layer
-    if batch.images is not None:
-        kwargs["batch"] = batch  # images, their slots and the stream for the 3-D positions
-    return model(
-        input_ids=batch.input_ids.unsqueeze(0),
-        position_ids=batch.position_ids.unsqueeze(0) if pass_position_ids else None,
-        attention_mask=None,
-        labels=batch.labels.unsqueeze(0),
-        packed_seq_params=packed_seq_params(batch),
-        **kwargs,
-    )
-
-
-def loss_func(
-    batch: PackedBatch, output: ForwardOutput
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """This rank's masked next-token loss sum (what backward sees), its token count, and the
-    report: float64 `[sum, count]` per named loss, for logging."""
-    loss_sum = (output.per_token_loss.float() * batch.loss_mask).sum()
-    num_tokens = batch.loss_mask.sum()
-    report = {LM: torch.stack([loss_sum.detach().double(), num_tokens.double()])}
-    if output.mtp_means is not None:
-        counts = batch.mtp_mask.sum(-1).double()
-        means = output.mtp_means.double()
-        # A rank with no MTP target in this micro-batch tracked 0/0; it contributes nothing.
-        sums = torch.where(counts > 0, means * counts, torch.zeros_like(counts))
-        for k in range(counts.numel()):
-            report[mtp_report_name(k)] = torch.stack([sums[k], counts[k]])
-    return loss_sum, num_tokens, report

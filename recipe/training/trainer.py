@@ -43,7 +43,7 @@ from recipe.parallel import collectives, groups
 from recipe.rundir.layout import checkpoints_dir
 from recipe.rundir.tokens import write_token_records
 from recipe.rundir.traces import write_trace
-from recipe.training.engine import build_engine, pipeline_sum
+from recipe.training.engines import build_engine, engine_class
 from recipe.training.guard import StepGuard
 from recipe.training.loggers import NullLogger
 from recipe.training.metrics import StepMetrics, mtp_layer_means, optimised_loss, summarize
@@ -403,6 +403,14 @@ class Trainer:
         self.guard.rebuild(self.history)
 
 
+def pipeline_sum(totals: torch.Tensor, layout) -> torch.Tensor:
+    """Only the last pipeline stage computes losses: after the dp x cp sum, every stage gets its
+    totals (one all-reduce over the pipeline group; nothing at pp=1)."""
+    if layout.pp_size > 1:
+        collectives.all_reduce_sum(totals, groups.pipeline_group())
+    return totals
+
+
 def build_model(
     cfg: TrainConfig, vocab_size: int, device: torch.device | None = None, cp_rank: int = 0
 ):
@@ -425,10 +433,7 @@ def build_model(
         cp_comm_type=cfg.cp.comm_type,
         mrope_section=cfg.vision.mrope_section if vision else None,
         pp_size=cfg.parallel.pp,
-        # only megatron's engine reads it: the recipe's divides by the global count itself
-        calculate_per_token_loss=(
-            cfg.trainer.engine != "megatron" or cfg.trainer.megatron.calculate_per_token_loss
-        ),
+        calculate_per_token_loss=engine_class(cfg).model_per_token_loss(cfg),
     )
     if not vision:
         return model

@@ -58,6 +58,12 @@ class MegatronEngine:
 
     name = "megatron"
 
+    @staticmethod
+    def model_per_token_loss(cfg) -> bool:
+        """The model's `calculate_per_token_loss`, which megatron's schedule and MTP loss read:
+        trainer.megatron.calculate_per_token_loss."""
+        return cfg.trainer.megatron.calculate_per_token_loss
+
     def __init__(self, model, cfg, layout):
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -173,7 +179,9 @@ class MegatronEngine:
         count = len(work.micro_batches)
         device = next(self.model.parameters()).device
         totals = torch.zeros(len(micro.names), 2, dtype=torch.float64, device=device)
-        if count == 0:
+        if count == 0:  # a data-parallel rank with no sequence this step
+            if training:
+                self._finalize_without_micro_batches(device)
             return totals
         reports = self.forward_backward_func(
             forward_step_func=micro.megatron_forward_step,
@@ -187,6 +195,19 @@ class MegatronEngine:
         for report in reports or []:
             totals += report[REPORT]
         return totals
+
+    def _finalize_without_micro_batches(self, device: torch.device) -> None:
+        """megatron's schedule needs a micro-batch to run, but the gradient reduction after it is
+        collective: a rank with none joins it with its zero gradients and zero tokens, as the
+        schedule would after backward (finalize_model_grads sums the token counts over dp x cp
+        and divides by the total)."""
+        if self.options.overlap_grad_reduce:  # no backward hook issued the buckets' reductions
+            self.ddp.start_grad_sync()
+        config = self.model.config
+        tokens = None
+        if config.calculate_per_token_loss:
+            tokens = torch.zeros([], dtype=torch.int, device=device)
+        config.finalize_model_grads_func([self.ddp], tokens)
 
     def reduce_gradients(self) -> None:
         """finalize_model_grads ran inside the schedule; what remains is the recipe's optional

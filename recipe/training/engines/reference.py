@@ -1,10 +1,11 @@
-"""What steps the optimizer: the recipe's own loop, or megatron-core's machinery.
+"""trainer.engine=reference: the recipe's own loop, the independent reference megatron's engine is
+checked against.
 
-Both engines take the same `MicroBatchPass` (recipe/training/micro_batch.py) and answer the
-trainer the same questions: the step's learning rate, this rank's loss report totals, the global
-gradient norm, and the update. `trainer.engine=recipe` (the default) runs its micro-batches itself,
-divides each loss by the step's global token count before backward and sums gradients over
-dp x cp; `trainer.engine=megatron` is recipe/training/megatron_engine.py.
+torch AdamW on the bare model; each micro-batch through `run_micro_batch` (its loss divided by
+the step's GLOBAL count of predicted tokens before backward); the gradients summed over dp x cp
+(and sequence-parallel norms over tp) by the recipe's own all-reduce, clipped by its own norm.
+Nothing of megatron's DDP, optimizer or schedules: where the two engines agree, neither hides an
+error the other would show. No pipeline parallelism (the schema refuses parallel.pp > 1 here).
 """
 
 from __future__ import annotations
@@ -13,13 +14,20 @@ import torch
 
 from recipe.checkpoint.optimizer_state import load_torch_optimizer_state, torch_optimizer_state
 from recipe.parallel import collectives, groups
+from recipe.training.micro_batch import run_micro_batch
 from recipe.training.optimizer import build_optimizer, grad_norm, lr_at, set_lr
 
 
-class RecipeEngine:
+class ReferenceEngine:
     """torch AdamW on the bare model, the recipe's gradient all-reduce and clipping."""
 
-    name = "recipe"
+    name = "reference"
+
+    @staticmethod
+    def model_per_token_loss(cfg) -> bool:
+        """What the model's `calculate_per_token_loss` is set to (megatron's MTP loss reads
+        it): true, the loss sums are per token and divided by the global count here."""
+        return True
 
     def __init__(self, model, cfg, layout):
         self.model = model
@@ -37,7 +45,7 @@ class RecipeEngine:
         load_torch_optimizer_state(self.optimizer, moments)
 
     def gradient_divisor(self, work) -> float | None:
-        """None: losses are divided before backward (see MicroBatchPass)."""
+        """None: losses are divided before backward (see run_micro_batch)."""
         return None
 
     def begin_step(self, step: int) -> float:
@@ -50,18 +58,10 @@ class RecipeEngine:
     def forward_backward(self, micro, training: bool = True) -> torch.Tensor:
         """Every micro-batch of `micro` forward (and backward when training); this rank's
         report totals [names, 2] (float64, on the device)."""
-        work = micro.work
-        totals = None
-        for index in range(len(work.micro_batches)):
-            output, finish = micro.forward(index, self.model)
-            loss_sum, _, report = finish(output)
-            if training:
-                (loss_sum / work.global_predicted_tokens).backward()
-            report = report["report"]
-            totals = report if totals is None else totals + report
-        if totals is None:  # no sequence for this rank this step
-            device = next(self.model.parameters()).device
-            totals = torch.zeros(len(micro.names), 2, dtype=torch.float64, device=device)
+        device = next(self.model.parameters()).device
+        totals = torch.zeros(len(micro.names), 2, dtype=torch.float64, device=device)
+        for index in range(len(micro.work.micro_batches)):
+            totals += run_micro_batch(micro, index, self.model, backward=training).report
         return totals
 
     def reduce_gradients(self) -> None:
@@ -78,20 +78,3 @@ class RecipeEngine:
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
-
-
-def pipeline_sum(totals: torch.Tensor, layout) -> torch.Tensor:
-    """Only the last pipeline stage computes losses: after the dp x cp sum, every stage gets its
-    totals (one all-reduce over the pipeline group; nothing at pp=1)."""
-    if layout.pp_size > 1:
-        collectives.all_reduce_sum(totals, groups.pipeline_group())
-    return totals
-
-
-def build_engine(model, cfg, layout):
-    """The engine `trainer.engine` names, around this rank's model (or pipeline stage)."""
-    if cfg.trainer.engine == "megatron":
-        from recipe.training.megatron_engine import MegatronEngine
-
-        return MegatronEngine(model, cfg, layout)
-    return RecipeEngine(model, cfg, layout)
