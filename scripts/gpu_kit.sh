@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU kit: the wheels the recipe needs beyond a bare CUDA image (megatron-core, Hydra,
 # omegaconf, datasets and what they need that such an image lacks; scripts/gpu_kit.txt), fetched
-# where PyPI is reachable and installed where there is no network. docs/gpu.md says how.
+# where PyPI is reachable and installed where there is no network. docs/gpu.md says how, and how
+# to run the check in one call on a machine lent with the checkout (gpu_kit/ carried along):
+#     scripts/gpu_kit.sh run "$OUT"
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -159,23 +161,33 @@ install() {
     site=$(cd "$site" && pwd)
     "$PY" -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target "$site" \
         "$dir"/*.whl
+    # What gpu_check.py and training need must import, or the install fails; `datasets` is only
+    # for data=hf and data.files (gpu_check trains on the Markov corpus): reported, not required,
+    # so that an image whose pyarrow or fsspec does not suit it can still run the checks.
     PYTHONPATH="$site:$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -W ignore - <<'EOF'
 import sys
 from importlib.metadata import version
 
-import datasets
 import hydra
 import megatron.core
 import omegaconf
 import torch
 
+import recipe.checks.gpu
 import recipe.launch.compose
 import recipe.launch.task
 
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda},"
       f" available: {torch.cuda.is_available()})")
-for name in ("megatron-core", "hydra-core", "omegaconf", "datasets", "numpy"):
+for name in ("megatron-core", "hydra-core", "omegaconf", "numpy"):
     print(f"{name} {version(name)}")
+try:
+    import datasets  # noqa: F401
+except Exception as err:  # any import-time failure of its own dependencies
+    print(f"datasets {version('datasets')}: does not import ({type(err).__name__}: {err}); "
+          "gpu_check does not use it, data=hf and data.files need it")
+else:
+    print(f"datasets {version('datasets')}")
 print(f"recipe from {recipe.launch.compose.__file__.rsplit('/recipe/', 1)[0]}")
 EOF
     echo "kit installed into $site"

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -237,6 +238,43 @@ def test_install_refuses_a_wheel_the_checksums_do_not_list(kit, tmp_path):
     refused = gpu_kit("install", str(tmp_path / "site"), str(extra), env=offline_env())
     assert refused.returncode == 1
     assert "dill-0.4.2-py3-none-any.whl is not in" in refused.stderr
+
+
+def _wheel_with(wheel: Path, member: str, text: str) -> None:
+    """Rewrite one file inside a wheel (pip does not check a wheel's RECORD hashes)."""
+    with zipfile.ZipFile(wheel) as source:
+        contents = {info: source.read(info) for info in source.infolist()}
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as target:
+        for info, data in contents.items():
+            target.writestr(info, text.encode() if info.filename == member else data)
+
+
+def test_install_does_not_need_datasets_to_import(kit, tmp_path):
+    """`datasets` is for data=hf and data.files only, never for gpu_check: a kit whose datasets
+    does not import (an image whose pyarrow does not suit it) still installs, and says so."""
+    broken = tmp_path / "kit"
+    shutil.copytree(kit, broken)
+    wheel = next(broken.glob("datasets-*.whl"))
+    _wheel_with(wheel, "datasets/__init__.py", "raise ImportError('pyarrow does not suit it')\n")
+    (broken / "SHA256SUMS").write_text(  # sha256sum's own format: digest, two spaces, name
+        "".join(
+            f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n"
+            for p in sorted(broken.glob("*.whl"))
+        )
+    )
+    site = tmp_path / "site"
+    installed = gpu_kit("install", str(site), str(broken), env=offline_env())
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    assert "does not import (ImportError: pyarrow does not suit it)" in installed.stdout
+    assert "megatron-core 0.19.2" in installed.stdout
+    # negative control: the wheel installed really is broken, so the install ran past it
+    imported = subprocess.run(
+        [sys.executable, "-c", "import datasets"],
+        capture_output=True,
+        text=True,
+        env={**offline_env(), "PYTHONPATH": str(site)},
+    )
+    assert imported.returncode != 0 and "pyarrow does not suit it" in imported.stderr
 
 
 def test_install_without_a_kit_names_the_fetch(tmp_path):

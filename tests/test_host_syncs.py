@@ -5,50 +5,25 @@ for the kernels queued before it. The torch attention backend needs the sequence
 the host; it reads them once per micro-batch and keeps them on the micro-batch's
 PackedSeqParams, not once per layer. The MTP exact scaling takes the step's global counts from
 a tensor copied with the micro-batches, not from a list copied to the device per micro-batch.
-A CPU has no synchronisation to count, so these tests count the host reads themselves: the
-same calls are the synchronisations on a GPU (scripts/gpu_check.py counts them there).
+A CPU has no synchronisation to count, so these tests count the host reads themselves, with
+the counter of gpu_check's host_syncs part on the CPU (`recipe.checks.gpu.counting_host_reads`):
+the same calls are the synchronisations on a GPU (its CUDA counter counts those there). Only the
+recipe's own reads are gated: megatron-core's unfused THD RoPE reads the boundaries twice per
+layer itself (rope_utils.py, a per-sequence loop over cu_seqlens, for q and k), documented in
+docs/gpu.md.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-import recipe
+from recipe.checks.gpu import counting_host_reads
 from tests.helpers.config import typed_config
 from tests.helpers.world import lone_world
 
-HOST_READS = ("tolist", "item", "__int__", "__bool__", "__float__", "__index__")
 
-
-@contextlib.contextmanager
-def counting_host_reads(monkeypatch):
-    """Counts the host reads made by the recipe's own code (the direct caller is a module of
-    the `recipe` package). megatron-core's unfused THD RoPE reads the boundaries twice per layer
-    itself (rope_utils.py, a per-sequence loop over cu_seqlens, for q and k): that is
-    megatron's, documented in docs/gpu.md, and not counted here."""
-    counts = {"reads": 0}
-    package = str(Path(recipe.__file__).parent)
-    for name in HOST_READS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _original=original, **kwargs):
-            if sys._getframe(1).f_code.co_filename.startswith(package):
-                counts["reads"] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    try:
-        yield counts
-    finally:
-        monkeypatch.undo()
-
-
-def _reads_per_micro_batch(monkeypatch, num_layers: int, mtp: bool) -> int:
+def _reads_per_micro_batch(num_layers: int, mtp: bool) -> int:
     """Host reads during the trainer's own forward and backward of one planned micro-batch
     (`Trainer.forward_backward_step`: MTP scaling, forward, loss, backward; the model built and
     the step planned before counting starts)."""
@@ -64,16 +39,16 @@ def _reads_per_micro_batch(monkeypatch, num_layers: int, mtp: bool) -> int:
         seqs = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (30, 17, 45)]
         work = plan_step(seqs, cfg, layout, pad_id=258, device=torch.device("cpu"))
         work.micro_batches = work.micro_batches[:1]
-        with counting_host_reads(monkeypatch) as counts:
+        with counting_host_reads() as counts:
             trainer.forward_backward_step(work)
-        return counts["reads"]
+        return counts["recipe"]
 
 
 @pytest.mark.stack_dependent
 @pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
-def test_host_reads_do_not_grow_with_the_number_of_layers(monkeypatch, mtp):
-    shallow = _reads_per_micro_batch(monkeypatch, 1, mtp)
-    deep = _reads_per_micro_batch(monkeypatch, 4, mtp)
+def test_host_reads_do_not_grow_with_the_number_of_layers(mtp):
+    shallow = _reads_per_micro_batch(1, mtp)
+    deep = _reads_per_micro_batch(4, mtp)
     assert deep == shallow, f"{shallow} host reads with 1 layer, {deep} with 4"
 
 
@@ -88,9 +63,9 @@ def test_negative_control_a_per_layer_boundary_read_is_counted(monkeypatch):
             attention._sequence_bounds(packed_seq_params), cp_size, cp_rank
         )
 
-    shallow = _reads_per_micro_batch(monkeypatch, 1, False)
+    shallow = _reads_per_micro_batch(1, False)
     monkeypatch.setattr(attention, "micro_batch_layout", uncached)
-    deep = _reads_per_micro_batch(monkeypatch, 4, False)
+    deep = _reads_per_micro_batch(4, False)
     assert deep > shallow
 
 

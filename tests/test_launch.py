@@ -18,13 +18,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _fail_on_rank_1_while_rank_0_waits(cfg):
-    """Rank 1 raises; rank 0 blocks in a collective that can never complete."""
+    """Rank 1 raises, saying where the launcher told it rank 0 is (MASTER_ADDR); rank 0 blocks
+    in a collective that can never complete."""
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     if dist.get_rank() == 1:
-        raise RuntimeError("injected failure on rank 1")
+        raise RuntimeError(f"injected failure on rank 1 (MASTER_ADDR={os.environ['MASTER_ADDR']})")
     dist.all_reduce(torch.ones(1))  # would hang forever without the agent stepping in
     return {}
 
@@ -38,6 +39,8 @@ def test_a_failing_rank_ends_the_job_promptly_with_its_error(capfd):
     assert time.monotonic() - start < 60
     assert "rank 1 failed" in str(info.value)
     assert "injected failure on rank 1" in str(info.value)
+    # the ranks meet on loopback, never on a host name that may not resolve
+    assert "(MASTER_ADDR=127.0.0.1)" in str(info.value)
 
 
 def test_too_many_ranks_for_the_machine_is_refused_before_launch():

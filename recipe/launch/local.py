@@ -83,6 +83,10 @@ def launch_world(cfg: TrainConfig, entrypoint=_worker, checked=None) -> dict:
         run_id=f"recipe-{os.getpid()}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
+        # The ranks' MASTER_ADDR (their process group's store) would otherwise be this host's
+        # fully qualified name, which need not resolve (containers, laptops off their network):
+        # every rank is on this machine, so loopback always reaches rank 0.
+        local_addr="127.0.0.1",
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",

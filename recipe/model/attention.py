@@ -6,10 +6,13 @@ CP a rank holds two zigzag chunks of every sequence: it all-gathers K and V over
 puts them back in global order with the same zigzag index the data was sharded with, and masks on
 global positions. The trade-off is simplicity over memory: every rank holds the full K/V of the
 micro-batch (fine for a correctness tool; Transformer Engine's ring attention is the `te` backend).
+Which SDPA kernel each call takes can be recorded (`recording_attention_kernels`): the GPU check
+reports it and fails a bf16 attention that fell back to the math kernel on CUDA.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +74,93 @@ def micro_batch_layout(packed_seq_params, cp_size: int, cp_rank: int) -> StreamL
     return layout
 
 
+_OPEN_KERNEL_RECORDS: list[set[tuple[str, str]]] = []
+"""The sets of the `recording_attention_kernels` contexts open now: empty in training, where the
+kernel choice is then never asked for."""
+
+
+@contextlib.contextmanager
+def recording_attention_kernels():
+    """Collect `(dtype, kernel)` of every attention call of this module made while open: the
+    dtype SDPA computes in (autocast's where autocast is on) and the kernel torch's SDPA picks
+    for those inputs (`sdpa_kernel_choice`). Contexts nest; each gets every call made inside it.
+    Training pays nothing: outside such a context no choice is asked for."""
+    seen: set[tuple[str, str]] = set()
+    _OPEN_KERNEL_RECORDS.append(seen)
+    try:
+        yield seen
+    finally:
+        # by identity: two open contexts may hold equal sets
+        _OPEN_KERNEL_RECORDS[:] = [s for s in _OPEN_KERNEL_RECORDS if s is not seen]
+
+
+UNKNOWN_KERNEL = "unknown"
+"""What `sdpa_kernel_choice` says when this torch cannot tell (no `torch._fused_sdp_choice`)."""
+
+
+def _autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast runs SDPA in for this tensor's device (SDPA is on autocast's
+    lower-precision list), or None when autocast is off there."""
+    device_type = tensor.device.type
+    try:
+        if torch.is_autocast_enabled(device_type) and tensor.is_floating_point():
+            return torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError, RuntimeError):  # a torch without per-device queries
+        return None
+    return None
+
+
+def sdpa_kernel_choice(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> str:
+    """The kernel `F.scaled_dot_product_attention` dispatches these inputs to, by torch's own
+    selection (`torch._fused_sdp_choice`, the function SDPA asks, so `sdpa_kernel` contexts and
+    the device's limits count): "math", "flash_attention", "efficient_attention",
+    "cudnn_attention", ... (`torch.nn.attention.SDPBackend`, lower case); UNKNOWN_KERNEL where
+    this torch has no such function or it refuses the inputs."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return UNKNOWN_KERNEL
+    dtype = _autocast_dtype(query)
+    if dtype is not None:  # what SDPA itself will be given under autocast
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    try:
+        from torch.nn.attention import SDPBackend
+
+        chosen = choose(query, key, value, attn_mask, 0.0, is_causal, scale=scale)
+        return SDPBackend(chosen).name.lower()
+    except (ImportError, RuntimeError, TypeError, ValueError):
+        return UNKNOWN_KERNEL
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`F.scaled_dot_product_attention`, the kernel it takes recorded while a
+    `recording_attention_kernels` context is open."""
+    if _OPEN_KERNEL_RECORDS:
+        dtype = _autocast_dtype(query) or query.dtype
+        entry = (
+            str(dtype).removeprefix("torch."),
+            sdpa_kernel_choice(query, key, value, attn_mask, is_causal, scale),
+        )
+        for seen in _OPEN_KERNEL_RECORDS:
+            seen.add(entry)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale
+    )
+
+
 def varlen_causal_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -103,18 +193,20 @@ def varlen_causal_attention(
         q_start, q_end = start // cp_size, end // cp_size
         if q_end == q_start:
             continue
-        # SDPA wants [heads, tokens, dim].
-        q = query[q_start:q_end].transpose(0, 1)
-        k = key[start:end].transpose(0, 1)
-        v = value[start:end].transpose(0, 1)
+        # SDPA as [batch=1, heads, tokens, dim]: CUDA's flash and memory-efficient kernels take
+        # only 4-D input and send 3-D [heads, tokens, dim] to the math kernel without a word
+        # (on CPU both shapes give the same kernel and the same bits: test_attention_kernels).
+        q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)
+        k = key[start:end].transpose(0, 1).unsqueeze(0)
+        v = value[start:end].transpose(0, 1).unsqueeze(0)
         if cp_size == 1:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale)
+            out = attend(q, k, v, is_causal=True, scale=softmax_scale)
         else:
             q_pos = local_global_pos[q_start:q_end] - start
             k_pos = torch.arange(end - start, device=query.device)
             mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale)
-        outputs.append(out.transpose(0, 1))
+            out = attend(q, k, v, attn_mask=mask, scale=softmax_scale)
+        outputs.append(out.squeeze(0).transpose(0, 1))
     out = torch.cat(outputs, dim=0)
     return out.reshape(out.shape[0], -1)
 
@@ -193,6 +285,6 @@ class ImageAttention(MegatronModule):
             key = key.repeat_interleave(heads // groups, dim=2)
             value = value.repeat_interleave(heads // groups, dim=2)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [images, heads, s, d]
-        out = F.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale)
+        out = attend(q, k, v, scale=self.softmax_scale)
         patches, images = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(patches, images, -1)
