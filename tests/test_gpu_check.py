@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from recipe.checks import gpu as gpu_check
+from recipe.checks.gpu import model_parts, shared
+from recipe.model.attention import varlen_causal_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
@@ -36,7 +38,7 @@ ATTENTION_LENGTHS = [64, 7, 128, 16]
 @pytest.fixture
 def small(monkeypatch):
     """The parts' small model, smaller still: every body in seconds on the CPU."""
-    monkeypatch.setattr(gpu_check, "SMALL", gpu_check.SMALL + SMALLER)
+    monkeypatch.setattr(shared, "SMALL", shared.SMALL + SMALLER)
 
 
 @pytest.fixture(autouse=True)
@@ -259,14 +261,14 @@ def test_negative_control_swapped_arguments_to_run_micro_batch_fail_the_part(
 ):
     """The parts drive a micro-batch through `run_micro_batch`, the function training uses; the
     same call with two arguments swapped (as host_syncs once called its own pass) fails."""
-    original = gpu_check.run_micro_batch
+    original = model_parts.run_micro_batch
     calls = []
 
     def swapped(micro, index, model, backward=True):
         calls.append(index)
         return original(micro, model, index, backward)
 
-    monkeypatch.setattr(gpu_check, "run_micro_batch", swapped)
+    monkeypatch.setattr(model_parts, "run_micro_batch", swapped)
     entry = gpu_check.run_part(name, gpu_check.CHECKS[name], CPU, **options)
     assert calls, f"{name} did not run its micro-batch through run_micro_batch"
     assert entry["status"] == "fail" and entry["reason"].startswith("TypeError"), entry
@@ -397,7 +399,7 @@ def _attention_part(allowed):
     def part(quick, device, progress):
         (q, k, v), cu = gpu_check.packed_qkv([32, 16], 4, 2, 16, torch.bfloat16, CPU)
         with sdpa_kernel(allowed):
-            gpu_check.varlen_causal_attention(q, k, v, cu)
+            varlen_causal_attention(q, k, v, cu)
         return {"passed": True}
 
     return part
