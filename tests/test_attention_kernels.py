@@ -1,7 +1,9 @@
 """The torch attention backend calls SDPA with 4-D [1, heads, tokens, dim] tensors (CUDA's flash
-and memory-efficient kernels refuse 3-D input and fall back to the math kernel without a word),
-which on the CPU changes neither the kernel nor a single bit; and the kernel SDPA takes is
-recorded, only while a recording context is open, as torch itself selects it."""
+and memory-efficient kernels refuse 3-D input and fall back to the math kernel without a word).
+On the CPU the 4-D call takes the CPU flash kernel on every torch here. Where the 3-D call took it
+too (torch 2.14) not a bit changes; on torch 2.11 (the GPU image's) and 2.13 the 3-D call took the
+math kernel, so there the change moves results by fp32 / bf16 rounding only. The kernel SDPA
+takes is recorded, only while a recording context is open, as torch itself selects it."""
 
 from __future__ import annotations
 
@@ -77,12 +79,20 @@ def outputs_and_gradients(function, dtype, cp_size, cp_rank):
     "cp_size, cp_rank", [(1, 0), (2, 0), (2, 1)], ids=["cp1", "cp2_rank0", "cp2_rank1"]
 )
 def test_4d_sdpa_gives_the_3d_bits_on_the_cpu(dtype, cp_size, cp_rank):
-    """Outputs and the gradients of q, k, v: identical, causal (cp=1) and masked (cp=2)."""
+    """Outputs and the gradients of q, k, v, causal (cp=1) and masked (cp=2): identical where
+    this torch sends both shapes to the same kernel (2.14), within rounding of the largest value
+    where the 3-D call took the math kernel (2.11, 2.13)."""
     four_d = outputs_and_gradients(varlen_causal_attention, dtype, cp_size, cp_rank)
     three_d = outputs_and_gradients(attention_3d, dtype, cp_size, cp_rank)
+    same_kernel = len(set(kernels_by_shape(dtype, masked=cp_size > 1).values())) == 1
     for new, old in zip(four_d, three_d):
         assert new.dtype == old.dtype == dtype
-        assert torch.equal(new, old), float((new.float() - old.float()).abs().max())
+        relative = float((new.float() - old.float()).abs().max() / old.float().abs().max())
+        if same_kernel:
+            assert torch.equal(new, old), relative
+        else:
+            # measured on 2.11 and 2.13: 5.7e-7 (fp32), 6.2e-3 (bf16, under one bf16 step)
+            assert relative <= (2e-6 if dtype == torch.float32 else 2e-2), relative
 
 
 def test_negative_control_another_kernel_is_not_the_same_bits():
@@ -99,12 +109,9 @@ def operators_run(call) -> set[str]:
     return {e.name for e in prof.events() if e.name in CPU_KERNEL_OPERATORS.values()}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("masked", [False, True], ids=["causal", "masked"])
-def test_the_cpu_takes_the_same_kernel_for_3d_and_4d_and_the_record_says_which(dtype, masked):
-    """On the CPU both shapes go to the CPU flash kernel (torch 2.14.1); the recorded choice is
-    what the profiler sees run. With only the math kernel allowed, the record says math (the
-    record follows torch's selection, it does not assume a kernel)."""
+def kernels_by_shape(dtype, masked: bool) -> dict[str, str]:
+    """The kernel this torch's SDPA takes on the CPU for a 3-D and a 4-D call, checked against
+    the operator the profiler sees run."""
     q = torch.randn(HEADS, 32, DIM).to(dtype)
     mask = torch.ones(32, 32, dtype=torch.bool).tril() if masked else None
     kwargs = {"attn_mask": mask} if masked else {"is_causal": True}
@@ -114,7 +121,22 @@ def test_the_cpu_takes_the_same_kernel_for_3d_and_4d_and_the_record_says_which(d
         ran = operators_run(lambda x=x: F.scaled_dot_product_attention(x, x, x, **kwargs))
         assert ran == {CPU_KERNEL_OPERATORS[choice]}, (shape, choice, ran)
         seen[shape] = choice
-    assert seen == {"3-D": "flash_attention", "4-D": "flash_attention"}
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "masked"])
+def test_the_cpu_takes_flash_for_4d_and_the_record_says_which_kernel_ran(dtype, masked):
+    """The 4-D call goes to the CPU flash kernel on every torch here (the 3-D one too on 2.14,
+    to the math kernel on 2.11 and 2.13); the recorded choice is what the profiler sees run. With
+    only the math kernel allowed, the record says math (the record follows torch's selection,
+    it does not assume a kernel)."""
+    seen = kernels_by_shape(dtype, masked)
+    assert seen["4-D"] == "flash_attention", seen
+    assert seen["3-D"] in ("flash_attention", "math"), seen
+    q = torch.randn(HEADS, 32, DIM).to(dtype)
+    mask = torch.ones(32, 32, dtype=torch.bool).tril() if masked else None
+    kwargs = {"attn_mask": mask} if masked else {"is_causal": True}
     with sdpa_kernel([SDPBackend.MATH]):
         x = q.unsqueeze(0)
         assert sdpa_kernel_choice(x, x, x, mask, not masked) == "math"

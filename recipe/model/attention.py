@@ -195,7 +195,8 @@ def varlen_causal_attention(
             continue
         # SDPA as [batch=1, heads, tokens, dim]: CUDA's flash and memory-efficient kernels take
         # only 4-D input and send 3-D [heads, tokens, dim] to the math kernel without a word
-        # (on CPU both shapes give the same kernel and the same bits: test_attention_kernels).
+        # (on the CPU 4-D takes the flash kernel; 3-D took it too on torch 2.14, the same bits,
+        # and the math kernel on 2.11 and 2.13: test_attention_kernels).
         q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)
         k = key[start:end].transpose(0, 1).unsqueeze(0)
         v = value[start:end].transpose(0, 1).unsqueeze(0)
