@@ -55,8 +55,9 @@ class Engine(Protocol):
         """Training or evaluation mode of the model."""
 
 
-ENGINE_CLASSES: dict[str, type] = {"megatron": MegatronEngine, "reference": ReferenceEngine}
-"""By `trainer.engine` value (recipe.names.ENGINES, which the schema checks, lists the same)."""
+ENGINE_CLASSES: dict[str, type] = {cls.name: cls for cls in (MegatronEngine, ReferenceEngine)}
+"""By `trainer.engine` value, each class's own `name` (recipe.names.ENGINES, which the schema
+checks, lists the same: tests/test_engines.py)."""
 
 
 def engine_class(cfg) -> type:
