@@ -74,6 +74,30 @@ def test_a_contract_breach_and_a_bad_name_are_reported(capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "tool, argv, message",
+    [
+        ("preprocess", ["index", "--cases", "0"], "argument --cases: must be 1 or more, got 0"),
+        ("preprocess", ["index", "--cases", "-5"], "argument --cases: must be 1 or more, got -5"),
+        ("upstream", ["verl", "--cases", "0"], "argument --cases: must be 1 or more, got 0"),
+        ("upstream", ["megatron-core", "--cases", "-1"], "--cases: must be 1 or more, got -1"),
+        ("upstream", ["verl", "--min-length", "0"], "argument --min-length: must be 1 or more"),
+        ("upstream", ["verl", "--cases", "ten"], "argument --cases: 'ten' is not a whole number"),
+    ],
+)
+def test_a_count_out_of_range_is_a_usage_error(tool, argv, message, capsys):
+    """`--cases 0` ended in hypothesis's traceback with exit 1 (1 means a finding), and
+    megatron-core's roll check passed 0 cases with exit 0."""
+    from recipe.checks import preprocess, upstream
+
+    with pytest.raises(SystemExit) as exited:
+        {"preprocess": preprocess.main, "upstream": upstream.main}[tool](argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: python -m recipe.check_{tool}") and message in err
+    assert "Traceback" not in err
+
+
 def _plans(preprocess: str, check: bool):
     cfg = typed_config(["cp=2", f"cp.preprocess={preprocess}"])
     sequences = [[5 + (7 * i + j) % 200 for j in range(n)] for i, n in enumerate([37, 3, 120])]

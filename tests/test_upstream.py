@@ -182,6 +182,50 @@ def test_an_option_the_adapter_does_not_know_stops_the_check(monkeypatch, tmp_pa
         load("verl", "9.9", THD)
 
 
+def _cache_with_a_cut_wheel(monkeypatch, tmp_path, fetched: bytes | None):
+    """A cache whose verl 9.9 wheel was cut short; pip (faked: no network) fetches `fetched`
+    (a whole wheel when None)."""
+    import io
+    import zipfile
+
+    from recipe.upstream import source
+
+    monkeypatch.setenv("RECIPE_UPSTREAM_CACHE", str(tmp_path))
+    whole = io.BytesIO()
+    with zipfile.ZipFile(whole, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("verl/utils.py", "X = 1\n" * 100)
+    name = "verl-9.9-py3-none-any.whl"
+    (tmp_path / "verl-9.9").mkdir()
+    (tmp_path / "verl-9.9" / name).write_bytes(whole.getvalue()[:40])
+
+    def download(distribution, version, folder):
+        (folder / name).write_bytes(whole.getvalue() if fetched is None else fetched)
+        return folder / name
+
+    monkeypatch.setattr(source, "_download_wheel", download)
+    return source
+
+
+def test_a_corrupt_cached_wheel_is_deleted_and_fetched_again(monkeypatch, tmp_path, caplog):
+    """A wheel cut short in the cache ended in zipfile's BadZipFile traceback, without its path."""
+    source = _cache_with_a_cut_wheel(monkeypatch, tmp_path, fetched=None)
+    path = source.fetched_file("verl", "9.9", "verl/utils.py")
+    assert path.read_text() == "X = 1\n" * 100
+    wheel = tmp_path / "verl-9.9" / "verl-9.9-py3-none-any.whl"
+    assert f"{wheel} in the upstream cache is not a readable wheel" in caplog.text
+    assert "deleted it, fetching verl==9.9 again" in caplog.text
+    assert not list((tmp_path / "verl-9.9").glob(".extract-*")), "no scratch left behind"
+
+
+def test_a_fetched_wheel_that_cannot_be_read_names_the_file_and_the_fix(monkeypatch, tmp_path):
+    source = _cache_with_a_cut_wheel(monkeypatch, tmp_path, fetched=b"an error page, not a zip")
+    wheel = tmp_path / "verl-9.9" / "verl-9.9-py3-none-any.whl"
+    with pytest.raises(UpstreamUnavailable) as info:
+        source.fetched_file("verl", "9.9", "verl/utils.py")
+    assert str(info.value).startswith(f"{wheel}, just fetched by pip, is not a readable wheel")
+    assert "delete it and run again" in str(info.value)
+
+
 def test_training_spellings_of_a_released_function():
     assert parse_preprocess_spec("verl@0.7.1")[:2] == ("verl", "0.7.1")
     assert parse_preprocess_spec("verl@0.7.1")[2] is THD

@@ -5,7 +5,8 @@ Hypothesis draws micro-batches (cp 2/4/8, tp 1/2; sequences of length 1, shorter
 k*2*cp-1 / k*2*cp / k*2*cp+1, long ones, up to 12 of them) and runs the function on every rank of
 each; on a difference it shrinks the case to a minimal one and prints it: lengths, cp, tp, rank,
 slot, field, expected and got. Exit 1 on a failure, 0 with the number of cases checked, 2 when
-the function cannot be loaded. The contract is in `recipe/parallel/cp/contract.py`.
+the function cannot be loaded or `--cases` is below 1. The contract is in
+`recipe/parallel/cp/contract.py`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import sys
 import time
 
+from recipe.checks.arguments import at_least
 from recipe.parallel.cp.contract import ContractError, Mismatch, first_mismatch, load_function
 
 
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m recipe.check_preprocess", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("function", help="package.module:function, or index/verl_fixed/verl_legacy")
-    parser.add_argument("--cases", type=int, default=1000, help="micro-batches to draw (1000)")
+    parser.add_argument("--cases", type=at_least(1), default=1000, metavar="N",
+                        help="micro-batches to draw, 1 or more (1000)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (0)")
     args = parser.parse_args(argv)
     try:

@@ -14,7 +14,8 @@ Functions with a gathering inverse (verl's postprocess_*) also round-trip a per-
 every case: sharded on every rank and gathered back, it must equal the original.
 `--control` runs each function's deliberately broken copy instead, which must be flagged
 (`--control inverse`: the gathering function's broken copy, the round trip's control).
-Exit 0 = every function passed, 1 = a finding, 2 = cannot run (says what is missing).
+Exit 0 = every function passed, 1 = a finding, 2 = cannot run (says what is missing) or a count
+out of range (`--cases` and `--min-length` are 1 or more).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from recipe.checks.arguments import at_least
 from recipe.checks.preprocess import micro_batches, search
 from recipe.log import quiet_libraries
 from recipe.parallel.cp.contract import ContractError, first_mismatch
@@ -255,13 +257,14 @@ def main(argv: list[str] | None = None) -> int:
         "library", help="verl, megatron-bridge or megatron-core, optionally @VERSION"
     )
     parser.add_argument("--function", help="check only this function (as the report names it)")
-    parser.add_argument("--cases", type=int, default=200, help="micro-batches per mode (200)")
+    parser.add_argument("--cases", type=at_least(1), default=200, metavar="N",
+                        help="micro-batches per mode, 1 or more (200)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (0)")
     parser.add_argument("--fixed", action="append", default=[], metavar="KEY=VALUE",
                         help="pin a drawn option, e.g. use_fp8_padding=false")  # fmt: skip
-    parser.add_argument("--min-length", type=int, default=1, metavar="N",
-                        help="draw sequences of at least N tokens (1): look past a finding on "
-                        "short sequences")  # fmt: skip
+    parser.add_argument("--min-length", type=at_least(1), default=1, metavar="N",
+                        help="draw sequences of at least N tokens, 1 or more (1): look past a "
+                        "finding on short sequences")  # fmt: skip
     parser.add_argument("--control", nargs="?", const="function", choices=["function", "inverse"],
                         help="check a broken copy of each function, or of its gathering inverse "
                         "(must FAIL)")  # fmt: skip

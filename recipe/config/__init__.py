@@ -5,7 +5,8 @@ reject unknown keys and wrong types, and each `__post_init__` rejects values tha
 a message that names the field and what would be valid. `train.py` converts the composed config to
 these objects once; the code below it only sees typed values. `groups` holds the groups, `schema`
 the whole run and the rules across groups, `layout` the parallel grid's arithmetic and degree
-rules, `preprocess` what a `cp.preprocess` string names, `reference` the generated docs page.
+rules, `preprocess` what a `cp.preprocess` string names, `keys` which dotted keys exist (for the
+command line's typos), `reference` the generated docs page.
 """
 
 from recipe.config.groups import (

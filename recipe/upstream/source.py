@@ -2,7 +2,8 @@
 
 `installed` reads the file of the package installed in this environment (without importing the
 package). A version fetches that release's wheel with `pip download --no-deps` into a cache
-(`$RECIPE_UPSTREAM_CACHE`, default `~/.cache/recipe/upstream`) and reads the file from it.
+(`$RECIPE_UPSTREAM_CACHE`, default `~/.cache/recipe/upstream`) and reads the file from it; a
+cached wheel that cannot be read is fetched again.
 
 The module is then executed under a private name, so the package's own `__init__` never runs
 (verl's imports ray). Its imports of megatron-core and torch are the real installed ones; only
@@ -22,9 +23,13 @@ import sys
 import tempfile
 import types
 import zipfile
+import zlib
 from pathlib import Path
 
 from recipe.errors import RecipeError
+from recipe.log import get_logger
+
+log = get_logger(__name__)
 
 
 class UpstreamUnavailable(RecipeError):
@@ -57,24 +62,52 @@ def installed_file(distribution: str, relative: str) -> Path:
 
 
 def fetched_file(distribution: str, version: str, relative: str) -> Path:
-    """`relative` from the release's wheel, downloaded once into the cache."""
+    """`relative` from the release's wheel, downloaded once into the cache. A cached wheel that
+    cannot be read (a download cut short, a disk error) is deleted and fetched again."""
     folder = cache_root() / f"{distribution}-{version}"
     target = folder / "files" / relative
     if target.is_file():
         return target
     wheel = next(folder.glob("*.whl"), None) if folder.is_dir() else None
-    if wheel is None:
-        wheel = _download_wheel(distribution, version, folder)
+    if wheel is not None:
+        try:
+            return _extract(wheel, relative, folder)
+        except UNREADABLE as err:
+            log.warning(
+                f"{wheel} in the upstream cache is not a readable wheel ({err}); deleted it, "
+                f"fetching {distribution}=={version} again"
+            )
+            wheel.unlink(missing_ok=True)
+    wheel = _download_wheel(distribution, version, folder)
+    try:
+        return _extract(wheel, relative, folder)
+    except UNREADABLE as err:
+        raise UpstreamUnavailable(
+            f"{wheel}, just fetched by pip, is not a readable wheel ({err}); delete it and run "
+            "again, and if it recurs check what serves pip's downloads (its index or proxy)"
+        ) from None
+
+
+# What zipfile raises on a damaged archive: no central directory, a bad header or CRC, a
+# compressed stream that is cut short or garbled.
+UNREADABLE = (zipfile.BadZipFile, zlib.error, EOFError)
+
+
+def _extract(wheel: Path, relative: str, folder: Path) -> Path:
+    """`relative` from `wheel` into the release's cache folder; returns where it now is."""
+    target = folder / "files" / relative
     with zipfile.ZipFile(wheel) as archive:
         if relative not in archive.namelist():
             raise UpstreamUnavailable(f"{wheel.name} has no {relative}")
         # extracted beside, then renamed: ranks that load the same file at once never read
         # a half-written one
         scratch = Path(tempfile.mkdtemp(dir=folder, prefix=".extract-"))
-        archive.extract(relative, scratch)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(scratch / relative, target)
-        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            archive.extract(relative, scratch)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(scratch / relative, target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return target
 
 
