@@ -16,11 +16,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from recipe.config import ConfigError, TrainConfig
 from recipe.environment import cuda_available, gpu_sharing
 from recipe.errors import RecipeError
-from recipe.log import quiet_libraries
+from recipe.log import JobLogging, quiet_libraries, set_up_spawned_rank
+from recipe.parallel.groups import SELF_LAUNCHED_RUN_PREFIX
 
 
 @record
-def _worker(cfg: TrainConfig, checked=None) -> dict:
+def _worker(cfg: TrainConfig, checked=None, job_logging: JobLogging | None = None) -> dict:
+    set_up_spawned_rank(job_logging)
     quiet_libraries()
     from recipe.launch.rank import train
     from recipe.training.preemption import Preempted
@@ -67,7 +69,8 @@ def check_launchable(cfg: TrainConfig) -> None:
 def launch_world(cfg: TrainConfig, entrypoint=_worker, checked=None) -> dict:
     """Start cfg.world_size local ranks running `entrypoint(cfg)`; returns rank 0's result.
     `checked` (a `recipe.launch.preflight.Preflight`): what this process's start-up check
-    resolved, handed to every rank of the default entrypoint (which then checks no more).
+    resolved, handed to every rank of the default entrypoint (which then checks no more), as is
+    this Hydra job's logging set-up (rank 0 logs to the job's console and train.log).
 
     A rank that fails takes the others down at once (the agent watches every 0.1 s); its error
     comes back as RanksFailed.
@@ -80,7 +83,7 @@ def launch_world(cfg: TrainConfig, entrypoint=_worker, checked=None) -> dict:
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=cfg.world_size,
-        run_id=f"recipe-{os.getpid()}",
+        run_id=f"{SELF_LAUNCHED_RUN_PREFIX}{os.getpid()}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
         # The ranks' MASTER_ADDR (their process group's store) would otherwise be this host's
@@ -98,7 +101,10 @@ def launch_world(cfg: TrainConfig, entrypoint=_worker, checked=None) -> dict:
     level = elastic_log.level
     elastic_log.setLevel(logging.CRITICAL)
     try:
-        args = (cfg,) if checked is None else (cfg, checked)
+        if entrypoint is _worker:
+            args = (cfg, checked, JobLogging.of_this_job())
+        else:
+            args = (cfg,) if checked is None else (cfg, checked)
         results = elastic_launch(launch_cfg, entrypoint=entrypoint)(*args)
     except ChildFailedError as err:
         signum = stopped_by_signal([f.exitcode for f in err.failures.values()])

@@ -117,6 +117,11 @@ def _check_launched_world(dims: ParallelDims, env: ProcessEnvironment) -> None:
         ) from None
 
 
+SELF_LAUNCHED_RUN_PREFIX = "recipe-self-launch-"
+"""How the recipe's own launcher (recipe/launch/local.py) names its runs; torch elastic hands the
+name to each rank as TORCHELASTIC_RUN_ID."""
+
+
 def _join_external_world(backend: str, timeout, env: ProcessEnvironment) -> None:
     """Join ranks a launcher started. Say at once which variables made the recipe think so: left
     over in a shell, they would otherwise mean a silent wait for ranks that never come."""
@@ -124,10 +129,12 @@ def _join_external_world(backend: str, timeout, env: ProcessEnvironment) -> None
     from recipe.log import get_logger
 
     seen = _rendezvous_variables()
-    get_logger(__name__).info(
-        f"joining a world of {env.world_size} ranks started outside the recipe ({seen}); "
-        f"waiting up to {timeout.total_seconds():g} s for them"
-    )
+    # The recipe's own ranks: it set those variables itself, there is nothing to say.
+    if not os.environ.get("TORCHELASTIC_RUN_ID", "").startswith(SELF_LAUNCHED_RUN_PREFIX):
+        get_logger(__name__).info(
+            f"joining a world of {env.world_size} ranks started outside the recipe ({seen}); "
+            f"waiting up to {timeout.total_seconds():g} s for them"
+        )
     try:
         dist.init_process_group(backend=backend, timeout=timeout)
     except (RuntimeError, dist.DistError) as err:
