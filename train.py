@@ -11,11 +11,13 @@ import hydra
 from omegaconf import DictConfig
 
 from recipe.config import register_configs
+from recipe.errors import ConfigError
 from recipe.launch.overrides import (
     check_group_choices,
     check_launcher_plugin,
+    check_override_keys,
     quote_numeric_group_choices,
-    single_run_dir_for_rank,
+    run_dir_for_launched_rank,
 )
 
 register_configs()
@@ -32,11 +34,20 @@ if __name__ == "__main__":
     from importlib.util import find_spec
 
     plugin = find_spec("hydra_plugins.hydra_submitit_launcher") is not None
-    problem = check_launcher_plugin(sys.argv[1:], plugin) or check_group_choices(
-        sys.argv[1:], Path(__file__).parent / "conf"
+    conf = Path(__file__).parent / "conf"
+    problem = (
+        check_launcher_plugin(sys.argv[1:], plugin)
+        or check_group_choices(sys.argv[1:], conf)
+        or check_override_keys(sys.argv[1:], conf)
     )
     if problem:
         print(f"config error: {problem}", file=sys.stderr)
         sys.exit(2)
-    sys.argv[1:] = single_run_dir_for_rank(quote_numeric_group_choices(sys.argv[1:]), os.environ)
+    try:
+        sys.argv[1:] = run_dir_for_launched_rank(
+            quote_numeric_group_choices(sys.argv[1:]), os.environ
+        )
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -166,6 +166,36 @@ def read_environment(environ: Mapping[str, str]) -> ProcessEnvironment:
     return ProcessEnvironment("none", rank=0, local_rank=0, world_size=1, local_world_size=1)
 
 
+def launched_run_name(environ: Mapping[str, str]) -> str | None:
+    """A name every rank of a launched world reads alike from its launcher, for the one run
+    directory they share (`torchrun/<run id>`, `slurm/<job>.<step>`, `submitit/<job>`); None
+    for a lone process, or a launcher that names its runs nowhere the ranks can read."""
+    env = read_environment(environ)
+    if env.launcher == "torchrun":
+        run_id = environ.get("TORCHELASTIC_RUN_ID")
+        return f"torchrun/{run_id}" if run_id else None
+    if env.launcher == "slurm":
+        return f"slurm/{environ.get('SLURM_JOB_ID', '0')}.{environ.get('SLURM_STEP_ID', '0')}"
+    if env.launcher == "submitit":
+        names = _SUBMITIT_VARIABLES[environ["SUBMITIT_EXECUTOR"]]
+        return f"submitit/{environ.get(names['job_id'], '0')}"
+    return None
+
+
+_RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+_LAUNCHER_PREFIXES = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_", "MASTER_", "GROUP_", "ROLE_")
+
+
+def lone_process_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` without what makes a process a rank of a launched world: for a helper process
+    (a noise twin) that a rank starts, which must be a lone process of its own."""
+    return {
+        key: value
+        for key, value in environ.items()
+        if key not in _RANK_VARIABLES and not key.startswith(_LAUNCHER_PREFIXES)
+    }
+
+
 def adopt_environment(environ: MutableMapping[str, str] = os.environ) -> ProcessEnvironment:
     """Read the environment; under SLURM or submitit also export it as torch.distributed's
     variables (what a launcher already set is kept)."""

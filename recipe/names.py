@@ -26,9 +26,17 @@ reference megatron's is checked against)."""
 NONFINITE_ACTIONS = ("stop", "skip_step")
 """trainer.on_nonfinite: what the step guard does with a NaN/inf loss or gradient norm."""
 SPIKE_ACTIONS = ("warn", "skip_step", "stop")
+SEQUENCE_ORDERS = ("data", "reversed")
+"""batching.sequence_order: sequences inside a micro-batch in data order, or reversed (the noise
+twin: the same math, summed in another order)."""
 """trainer.loss_spike.action: what the step guard does with a spike."""
 
 FP32_RTOL = 1e-5
 """Largest relative difference per step between two fp32 runs on CPU that passes parity."""
+NOISE_FLOORS = ("auto", "twin", "fixed")
+"""compare.noise_floor: where each step's tolerance comes from (recipe/compare/judge.py)."""
+NOISE_MARGIN = 10.0
+"""How far beyond its baseline's own fp32 drift (its noise twin's) a correct run may go. Measured
+on the default config (docs/comparing-runs.md, "The noise floor")."""
 FP32_TOKEN_ATOL = 1e-5
 """Largest absolute per-token loss difference between two fp32 runs on CPU that passes."""

@@ -472,23 +472,28 @@ def test_a_fresh_run_names_itself_in_its_first_line_and_readers_skip_it(tmp_path
     assert run_id_in(tmp_path) == "abc" and run_id_in(tmp_path / "none") is None
 
 
-def test_a_resume_into_another_runs_directory_is_refused(tmp_path):
+def test_a_resume_into_a_directory_must_continue_the_timeline_it_records(tmp_path):
+    """Ids alone cannot tell a fork from its parent (the fork inherits the id): the directory's
+    records up to the checkpoint's step must be the checkpoint's history."""
     from recipe.launch.preflight import check_same_run
 
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.jsonl").write_text('{"run": {"id": "mine"}}\n{"step": 1}\n')
-    own = run / "checkpoints" / "step_00000001"
-    check_same_run(str(run), own, "mine")
-    check_same_run(str(tmp_path / "new"), tmp_path / "x" / "step_00000001", "theirs")
-    with pytest.raises(
-        ConfigError, match="holds the metrics of run mine; checkpoint .* run theirs"
-    ):
-        check_same_run(str(run), tmp_path / "x" / "step_00000001", "theirs")
-    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # written before runs had ids
-    check_same_run(str(run), own, None)
-    with pytest.raises(ConfigError, match="holds the metrics of another run"):
-        check_same_run(str(run), tmp_path / "x" / "step_00000001", None)
+    rows = [{"step": s, "lm_loss": 5.0 - s} for s in range(1, 15)]
+    lines = ['{"run": {"id": "a"}}', *map(json.dumps, rows)]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    own = run / "checkpoints" / "step_00000012"
+    check_same_run(str(run), own, {"step": 12, "history": rows[:12]})  # its own: accepted
+    check_same_run(str(tmp_path / "new"), own, {"step": 16, "history": []})  # a new directory
+    fork = [*rows[:12], *({"step": s, "lm_loss": 1.5 - s / 100} for s in range(13, 17))]
+    with pytest.raises(ConfigError, match="records of step 13 differ .*new hydra.run.dir"):
+        check_same_run(str(run), tmp_path / "fork" / "step_00000016", {"step": 16, "history": fork})
+    with pytest.raises(ConfigError, match="records 14 steps up to that step, the checkpoint 16"):
+        check_same_run(str(run), own, {"step": 16, "history": [*rows, *fork[14:]]})
+    aside = run / "checkpoints" / "set_aside" / "from_step_8-20261204-101010" / "step_00000012"
+    with pytest.raises(ConfigError, match="was set aside .*new hydra.run.dir"):
+        check_same_run(str(run), aside, {"step": 12, "history": rows[:12]})
+    check_same_run(str(tmp_path / "new"), aside, {"step": 12, "history": rows[:12]})
 
 
 @pytest.mark.launches
@@ -502,7 +507,7 @@ def test_a_refused_resume_changes_nothing_in_the_directory_it_found(tmp_path, re
     start = reference_cp1 / "checkpoints" / "step_00000008"
     done = run_train_cli([*RUN, f"trainer.resume={start}", f"hydra.run.dir={other}"], cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert f"run directory {other} holds the metrics of run" in done.stderr
+    assert f"run directory {other} records another timeline than checkpoint" in done.stderr
     assert {f: f.read_bytes() for f in files} == before
 
 
@@ -547,6 +552,52 @@ def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_name(
     assert f"skipping damaged checkpoint {damaged}" in caplog.text and what in caplog.text
     with pytest.raises(ConfigError, match=r"is damaged: .*newest before it is .*step_00000016"):
         ckpt.resolve_resume(str(damaged), None)
+    if how == "truncated":  # every one damaged: auto refuses as naming the directory does
+        for step in (8, 16):
+            _damage(run / "checkpoints" / ckpt.checkpoint_name(step), how)
+        for spec in ("auto", str(run)):
+            with pytest.raises(ConfigError, match="every checkpoint in .* is damaged"):
+                ckpt.resolve_resume(spec, run)
+
+
+def test_a_partial_checkpoint_is_never_resumed_even_with_its_manifest(tmp_path, reference_cp1):
+    partial = tmp_path / "step_00000024.partial"
+    shutil.copytree(reference_cp1 / "checkpoints" / "step_00000024", partial)
+    assert (partial / "manifest.json").is_file()
+    with pytest.raises(ConfigError, match="never completed"):
+        ckpt.resolve_resume(str(partial), None)
+
+
+def test_a_shard_the_tensors_need_is_checked_even_when_the_manifest_omits_it(
+    tmp_path, reference_cp1
+):
+    """A checkpoint whose rank wrote its shard elsewhere (written before the write-time check):
+    its manifest verifies, but the tensors' own metadata names the missing file."""
+    from recipe.checkpoint.fs import write_atomically
+
+    copy = tmp_path / "step_00000024"
+    shutil.copytree(reference_cp1 / "checkpoints" / "step_00000024", copy)
+    manifest = ckpt.read_manifest(copy)
+    del manifest["files"]["__0_0.distcp"]
+    write_atomically(copy / "manifest.json", json.dumps(manifest))
+    (copy / "__0_0.distcp").unlink()
+    problem = ckpt.checkpoint_problem(copy)
+    assert (
+        problem == f"{copy / '__0_0.distcp'} is missing (the checkpoint's tensors are stored in it)"
+    )
+
+
+def test_a_checkpoint_missing_a_ranks_part_is_not_completed(tmp_path):
+    from recipe.checkpoint.store import CheckpointWriteError, check_every_rank_wrote_here
+
+    listed = {".metadata": {}, "__0_0.distcp": {}, "__1_0.distcp": {}}
+    check_every_rank_wrote_here(tmp_path, [["__0_0.distcp"], ["__1_0.distcp"]], listed)
+    with pytest.raises(CheckpointWriteError, match="lacks rank 1's __1_0.distcp.*same hydra.run"):
+        check_every_rank_wrote_here(
+            tmp_path,
+            [["__0_0.distcp"], ["__1_0.distcp"]],
+            {".metadata": {}, "__0_0.distcp": {}},  # rank 1 wrote where rank 0 does not look
+        )
 
 
 def test_auto_resumes_past_a_truncated_newest_checkpoint_bit_for_bit(tmp_path, reference_cp1):

@@ -145,6 +145,41 @@ def test_unknown_keys_are_refused_even_when_added_with_plus():
         typed_config(["+data.markov.ordr=3"])
 
 
+def test_a_typo_in_an_override_key_is_named_with_the_closest_key():
+    """`trainer.max_step=5` (no `+`) got Hydra's advice to add the key with `+`."""
+    from recipe.launch.overrides import check_override_keys
+    from tests.helpers.config import CONF_DIR
+
+    conf = Path(CONF_DIR)
+    typo = "unknown config key trainer.max_step; did you mean trainer.max_steps?"
+    assert check_override_keys(["trainer.max_step=5"], conf) == typo
+    assert check_override_keys(["+trainer.max_step=5"], conf) == typo
+    assert check_override_keys(["-m", "cp=1,2", "trainer.max_step=1,2"], conf) == typo
+    assert check_override_keys(["max_steps=5"], conf).endswith("did you mean trainer.max_steps?")
+    assert check_override_keys(["data.markov.ordr=3"], conf).endswith("data.markov.order?")
+    assert check_override_keys(["trainr.max_steps=5"], conf).endswith("did you mean trainer?")
+    # What Hydra owns, group choices and real keys pass (Hydra still refuses `+` of a real key).
+    for args in (
+        ["trainer.max_steps=5", "+trainer.max_steps=5", "++optim.lr=1e-3"],
+        ["-m", "cp=1,2", "experiment=cp_parity", "model=small", "mtp=on"],
+        ["hydra.sweep.dir=x", "hydra/launcher=slurm", "hydra.verbose=true", "--cfg", "job"],
+        ["~trainer.resume", "data.data_files.train=a.jsonl", "vision.mrope_section=[4,6,6]"],
+    ):
+        assert check_override_keys(args, conf) is None, args
+
+
+@pytest.mark.launches
+def test_cli_a_typo_in_an_override_key_exits_2_with_one_line(tmp_path):
+    from tests.helpers.cli import run_train_cli
+
+    result = run_train_cli(["trainer.max_step=5"], cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "config error: unknown config key trainer.max_step; did you mean trainer.max_steps?"
+    )
+    assert not list(tmp_path.iterdir()), "refused before Hydra makes a run directory"
+
+
 @pytest.mark.launches
 def test_a_run_directory_holds_one_job_and_is_never_overwritten(tmp_path):
     """Two jobs with the same run directory both exited 0 and one job's metrics were gone;

@@ -64,6 +64,13 @@ def test_cli_cp2_self_launches_into_exactly_one_output_directory(tmp_path):
     assert list(rows[0]) == ["run"], "the first line names the run"
     assert [r["step"] for r in rows[1:]] == [1, 2, 3], "only rank 0 writes metrics"
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+    # The spawned rank 0 logs to the console and train.log as a world of one does (it logged
+    # nowhere); rank 1 repeats none of it, and no line says the world came from outside.
+    shown = [line for line in result.stdout.splitlines() if line.strip()]
+    assert shown[0] == "starting at step 0", result.stdout
+    assert result.stdout.count("starting at step 0") == 1
+    log = (run_dir / "train.log").read_text()
+    assert all(line in log for line in shown), log
 
 
 @pytest.mark.launches
@@ -121,44 +128,107 @@ def test_launcher_environment_is_used_when_present(monkeypatch):
 
 @pytest.mark.distributed
 def test_torchrun_ranks_share_one_output_directory(tmp_path):
+    """The README's torchrun line as written (no hydra.run.dir): both ranks write into one run
+    directory, named by torchrun's run id; each checkpoint holds and lists both ranks' shards,
+    verifies, and resumes under torchrun into a new directory."""
+    from recipe.checkpoint import checkpoint_problem
+    from recipe.rundir.metrics import read_metrics
+
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
     result = run_train_cli(
-        ["cp=2", "trainer.max_steps=2"],
+        ["cp=2", "trainer.max_steps=2", "trainer.checkpoint_every=1"],
         cwd=tmp_path,
-        launcher=["-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"],
+        launcher=torchrun,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert len(list(tmp_path.rglob("metrics.jsonl"))) == 1
-    assert len(list(tmp_path.rglob(".hydra"))) == 1
+    (metrics,) = tmp_path.rglob("metrics.jsonl")
+    run = metrics.parent
+    assert result.stdout.count("starting at step 0") == 1, "rank 0 alone logs information"
+    assert "starting at step 0" in (run / "train.log").read_text()
+    assert run.parent == tmp_path / "outputs" / "torchrun", run
+    assert [p.parent for p in tmp_path.rglob(".hydra")] == [run]
+    assert [p.parent for p in tmp_path.rglob("checkpoints")] == [run], "no shard elsewhere"
+    newest = run / "checkpoints" / "step_00000002"
+    listed = json.loads((newest / "manifest.json").read_text())["files"]
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(listed)
+    assert checkpoint_problem(newest) is None
+    resumed = run_train_cli(
+        ["cp=2", "trainer.max_steps=3", f"trainer.resume={newest}", "hydra.run.dir=resumed"],
+        cwd=tmp_path,
+        launcher=torchrun,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "resumed")] == [1, 2, 3]
 
 
-def test_only_rank_0_gets_a_hydra_run_directory():
-    from recipe.launch.overrides import single_run_dir_for_rank
+def test_the_ranks_of_a_launched_world_name_one_run_directory():
+    from recipe.launch.overrides import run_dir_for_launched_rank
 
     args = ["cp=2"]
-    assert single_run_dir_for_rank(args, {}) == args
-    assert single_run_dir_for_rank(args, {"RANK": "0"}) == args
-    other = single_run_dir_for_rank(args, {"RANK": "1", "WORLD_SIZE": "2"})
-    assert other[:1] == args and "hydra.run.dir=." in other and "hydra.output_subdir=null" in other
-    assert single_run_dir_for_rank(args, {"SLURM_PROCID": "2"}) == args  # no rendezvous: lone
-    named = single_run_dir_for_rank(
-        [*args, "hydra.run.dir=/runs/a"], {"RANK": "1", "WORLD_SIZE": "2"}
-    )
-    assert "hydra.run.dir=." not in named and "hydra.output_subdir=null" in named, "shards go there"
-    assert "hydra.run.dir=." in single_run_dir_for_rank(
-        args, {"SLURM_PROCID": "2", "MASTER_ADDR": "n1"}
-    )
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "abc"}
+    shared = "hydra.run.dir=outputs/torchrun/abc"
+    assert run_dir_for_launched_rank(args, {}) == args, "a lone process keeps Hydra's default"
+    assert run_dir_for_launched_rank(args, torchrun) == [*args, shared]
+    other = run_dir_for_launched_rank(args, {**torchrun, "RANK": "1"})
+    assert other[:2] == [*args, shared]
+    assert "hydra.output_subdir=null" in other, "only rank 0 writes Hydra's files"
+    assert run_dir_for_launched_rank(args, {"SLURM_PROCID": "2"}) == args  # no rendezvous: lone
+    slurm = {"SLURM_PROCID": "2", "MASTER_ADDR": "n1", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0"}
+    assert "hydra.run.dir=outputs/slurm/77.0" in run_dir_for_launched_rank(args, slurm)
+    named = run_dir_for_launched_rank([*args, "hydra.run.dir=/runs/a"], {**torchrun, "RANK": "1"})
+    assert [a for a in named if a.startswith("hydra.run.dir")] == ["hydra.run.dir=/runs/a"]
+    with pytest.raises(ConfigError, match="same hydra.run.dir=DIR to every rank"):
+        run_dir_for_launched_rank(args, {"RANK": "1", "WORLD_SIZE": "2"})  # no run id
+    assert run_dir_for_launched_rank(["-m", *args], {**torchrun, "RANK": "1"}) == ["-m", *args]
+
+
+def test_ranks_that_name_different_run_directories_are_refused():
+    from recipe.launch.rank import check_one_run_directory
+
+    check_one_run_directory(["/runs/a", "/runs/a"])
+    with pytest.raises(ConfigError, match="rank 0: /runs/a, rank 1: /tmp/b.*same hydra.run.dir"):
+        check_one_run_directory(["/runs/a", "/tmp/b"])
 
 
 def test_sweep_jobs_share_a_wandb_group_and_carry_their_overrides_as_tags(tmp_path):
     from recipe.launch.task import group_sweep_in_wandb
 
-    cfg = typed_config(output_dir=tmp_path / "multirun" / "2026-12-01" / "10-00-00" / "3")
+    sweep = tmp_path / "multirun" / "2026-12-01" / "10-00-00-123456"
+    cfg = typed_config(output_dir=sweep / "3")
     group_sweep_in_wandb(cfg, ["cp='2'", "mtp=on", "hydra.verbose=true"])
-    assert cfg.logger.wandb.group == "sweep-2026-12-01-10-00-00"
+    assert cfg.logger.wandb.group == "sweep-2026-12-01-10-00-00-123456"
     assert cfg.logger.wandb.tags == ["cp='2'", "mtp=on"]
-    other = typed_config(output_dir=tmp_path / "multirun" / "2026-12-01" / "10-00-00" / "4")
+    other = typed_config(output_dir=sweep / "4")
     group_sweep_in_wandb(other, ["cp='1'"])
     assert other.logger.wandb.group == cfg.logger.wandb.group
+
+
+def _clock_at(microsecond: int):
+    """A datetime whose now() is 2026-12-01 10:00:00 and `microsecond`: the same second."""
+    import datetime
+
+    class Clock(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 12, 1, 10, 0, 0, microsecond)
+
+    return Clock
+
+
+def test_two_sweeps_started_in_the_same_second_get_their_own_directories(monkeypatch):
+    """Two sweeps started in the same second shared multirun/DATE/HH-MM-SS, and every job of both
+    died: its directory was in use by the other sweep's job of the same number."""
+    import hydra.core.utils
+
+    from recipe.launch.compose import compose_config
+
+    seen = []
+    for microsecond in (1, 2):
+        monkeypatch.setattr(hydra.core.utils, "datetime", _clock_at(microsecond))
+        hydra_cfg = compose_config([], return_hydra_config=True).hydra
+        seen.append((hydra_cfg.sweep.dir, hydra_cfg.run.dir))
+    assert seen[0] == ("multirun/2026-12-01/10-00-00-000001", "outputs/2026-12-01/10-00-00-000001")
+    assert seen[1][0] == "multirun/2026-12-01/10-00-00-000002"
 
 
 @pytest.mark.launches
@@ -213,3 +283,141 @@ def test_a_recipe_error_in_a_rank_is_reported_once_without_its_traceback():
     theirs = stack.replace("recipe.checkpoint.store.CheckpointWriteError", "KeyError")
     assert recipe_error_line(theirs) is None
     assert recipe_error_line(stack.replace("CheckpointWriteError", "Nope")) is None
+
+
+def _no_wandb_login(monkeypatch, home):
+    """A user who never ran `wandb login`: no key in the environment, no netrc, no settings."""
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / ".config" / "wandb"))
+
+
+def test_wandb_online_without_a_key_is_refused_at_start_up(tmp_path, monkeypatch):
+    """wandb online without a login failed once the model was built, with wandb's traceback. Its
+    own lookup is asked (no prompt, no network): a netrc entry or WANDB_API_KEY is enough."""
+    import torch
+    import wandb
+
+    from recipe.launch.preflight import check_run_choices
+
+    _no_wandb_login(monkeypatch, tmp_path)
+    online = typed_config(["logger.wandb.mode=online"])
+    cpu = torch.device("cpu")
+    try:
+        with pytest.raises(ConfigError) as info:
+            check_run_choices(online, cpu)
+        assert str(info.value).startswith("logger.wandb.mode=online needs a wandb API key")
+        for fix in ("`wandb login`", "WANDB_API_KEY", "logger.wandb.mode=offline"):
+            assert fix in str(info.value)
+        check_run_choices(typed_config(["logger.wandb.mode=offline"]), cpu)  # needs no login
+        netrc = tmp_path / ".netrc"
+        netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {'k' * 40}\n")
+        check_run_choices(online, cpu)  # what `wandb login` writes
+        netrc.unlink()
+        monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+        check_run_choices(online, cpu)
+        monkeypatch.setenv("WANDB_API_KEY", "typo")
+        with pytest.raises(ConfigError, match="WANDB_API_KEY invalid: API key must have 40"):
+            check_run_choices(online, cpu)
+    finally:
+        wandb.teardown()  # the lookup may have made wandb's process-wide settings from this HOME
+
+
+def test_wandb_that_is_not_installed_is_refused_at_start_up(monkeypatch):
+    import importlib.util
+
+    import torch
+
+    from recipe.launch.preflight import check_run_choices
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    with pytest.raises(ConfigError, match="mode=offline needs wandb, which is not installed"):
+        check_run_choices(typed_config(["logger.wandb.mode=offline"]), torch.device("cpu"))
+    check_run_choices(typed_config(["logger.wandb.mode=disabled"]), torch.device("cpu"))
+
+
+@pytest.mark.launches
+def test_cli_wandb_online_without_a_key_stops_before_any_work(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    result = run_train_cli(
+        ["logger.wandb.mode=online", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        timeout=120,
+        env_extra={"HOME": str(home), "WANDB_API_KEY": "", "NETRC": str(home / ".netrc")},
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().startswith(
+        "config error: logger.wandb.mode=online needs a wandb API key"
+    )
+    assert "Traceback" not in result.stderr
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+# A process set up as a rank is: RANK set, then logging as the launcher path sets it up, then one
+# information and one warning line through the recipe's logger.
+_LOG_AS_RANK = """
+import sys
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import configure_log
+from recipe.launch.compose import compose_config
+from recipe.log import JobLogging, get_logger, set_up_spawned_rank
+
+how, run_dir, *overrides = sys.argv[1:]
+cfg = compose_config([f"hydra.run.dir={run_dir}", *overrides], return_hydra_config=True)
+cfg.hydra.runtime.output_dir = run_dir  # what Hydra sets when it runs train.py
+cfg.hydra.job.name = "train"
+HydraConfig.instance().set_config(cfg)
+if how == "hydra":  # a rank of torchrun, SLURM or submitit: Hydra runs the job in it
+    configure_log(cfg.hydra.job_logging, cfg.hydra.verbose)
+else:  # a rank launch_world spawned: the job's set-up, as the job's process hands it over
+    set_up_spawned_rank(JobLogging.of_this_job())
+get_logger("recipe.test").info("an information line")
+get_logger("recipe.test").warning("a warning line")
+"""
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize(
+    "how, rank",
+    [("spawned", 0), ("spawned", 1), ("hydra", 1)],
+    ids=["spawned-rank-0", "spawned-rank-1", "launched-rank-1"],
+)
+def test_rank_0_logs_to_console_and_train_log_other_ranks_warn_naming_themselves(
+    tmp_path, how, rank
+):
+    """A rank the recipe spawns is a fresh interpreter: rank 0 logged nowhere, so its `starting
+    at step 0` and set-aside warnings reached neither console nor train.log. A rank other than 0
+    of torchrun/SLURM/submitit (Hydra's `disabled` logging) dropped its warnings."""
+    import subprocess
+    import sys
+
+    from recipe.launch.overrides import QUIET_HYDRA_OUTPUTS
+
+    log = tmp_path / "train.log"
+    log.write_text("[the job's own process] a line written before the ranks started\n")
+    extra = list(QUIET_HYDRA_OUTPUTS) if how == "hydra" else []
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
+    done = subprocess.run(
+        [sys.executable, "-c", _LOG_AS_RANK, how, str(tmp_path), *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    if rank == 0:
+        assert done.stdout == "an information line\na warning line\n"
+        written = log.read_text().splitlines()
+        assert written[0].startswith("[the job's own process]"), "appended, not overwritten"
+        assert written[1].endswith("[recipe.test][INFO] - an information line")
+        assert written[2].endswith("[recipe.test][WARNING] - a warning line")
+    else:
+        assert done.stdout == "" and "information" not in done.stderr
+        assert "rank 1: a warning line" in done.stderr.splitlines()
+        assert len(log.read_text().splitlines()) == 1, "train.log is rank 0's"

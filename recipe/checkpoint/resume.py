@@ -63,6 +63,11 @@ def checkpoint_problem(checkpoint: str | Path) -> str | None:
             f"{checkpoint / MANIFEST_FILE} says step {manifest.get('step')}, the directory's name "
             f"step {named}"
         )
+    for name in sorted(_files_the_tensors_need(checkpoint) - set(manifest.get("files") or {})):
+        # A checkpoint written before every rank's part was checked at write time: a rank that
+        # wrote elsewhere left a manifest that verifies without the file the tensors are in.
+        if not (checkpoint / name).is_file():
+            return f"{checkpoint / name} is missing (the checkpoint's tensors are stored in it)"
     for name, expected in (manifest.get("files") or {}).items():
         path = checkpoint / name
         if not path.is_file():
@@ -73,6 +78,18 @@ def checkpoint_problem(checkpoint: str | Path) -> str | None:
         if sha256(path) != expected["sha256"]:
             return f"{path} does not match its checksum in the manifest (the file changed)"
     return None
+
+
+def _files_the_tensors_need(checkpoint: Path) -> set[str]:
+    """The files DCP's metadata stores tensors in (empty when there is no readable metadata:
+    the manifest's listing then decides)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        stored = FileSystemReader(str(checkpoint)).read_metadata().storage_data
+    except Exception:  # no .metadata, or another format: the listed files are all we know
+        return set()
+    return {info.relative_path for info in (stored or {}).values()}
 
 
 def _newest_good(directory: Path) -> Path | None:
@@ -95,8 +112,19 @@ def resolve_resume(spec: str | None, run_dir: str | Path | None) -> Path | None:
     if spec == "auto":
         if run_dir is None:
             return None
-        return _newest_good(Path(run_dir) / CHECKPOINTS_DIR)
+        directory = Path(run_dir) / CHECKPOINTS_DIR
+        found = _newest_good(directory)
+        if found is None and complete_checkpoints(directory):
+            # Starting over here would prune its own new checkpoints (the damaged ones count as
+            # newer) and a requeued job would never get past them: refused, as when named.
+            raise ConfigError(_every_one_damaged(spec, directory))
+        return found
     path = Path(spec)
+    if path.name.endswith(PARTIAL_SUFFIX):  # even one that already holds its manifest
+        raise ConfigError(
+            f"trainer.resume={spec}: that checkpoint was never completed (the run stopped while "
+            "writing it); resume from the one before it"
+        )
     if (path / MANIFEST_FILE).is_file():
         problem = checkpoint_problem(path)
         if problem is not None:
@@ -108,20 +136,19 @@ def resolve_resume(spec: str | None, run_dir: str | Path | None) -> Path | None:
         if complete_checkpoints(directory):
             found = _newest_good(directory)
             if found is None:
-                raise ConfigError(
-                    f"trainer.resume={spec}: every checkpoint in {directory} is damaged (each is "
-                    "named above)"
-                )
+                raise ConfigError(_every_one_damaged(spec, directory))
             return found
-    if path.name.endswith(PARTIAL_SUFFIX):
-        raise ConfigError(
-            f"trainer.resume={spec}: that checkpoint was never completed (the run stopped while "
-            "writing it); resume from the one before it"
-        )
     what = "holds no complete checkpoint" if path.exists() else "does not exist"
     raise ConfigError(
         f"trainer.resume={spec} {what}; give a checkpoint directory (.../checkpoints/step_N), a "
         "run directory that has checkpoints/, or trainer.resume=auto"
+    )
+
+
+def _every_one_damaged(spec: str, directory: Path) -> str:
+    return (
+        f"trainer.resume={spec}: every checkpoint in {directory} is damaged (each is named "
+        "above); restore one and name it in trainer.resume, or start over in a new hydra.run.dir"
     )
 
 

@@ -45,13 +45,12 @@ def save_checkpoint(
             partial.mkdir(parents=True)
         collectives.barrier()
         dcp.save(tensors, checkpoint_id=str(partial))
+        rank = collectives.global_rank()
+        written = collectives.gather_to_main(sorted(p.name for p in partial.glob(f"__{rank}_*")))
         if is_main:
-            manifest = {
-                **manifest,
-                "path": str(final),
-                "written_at": time.time(),
-                "files": file_listing(partial),
-            }
+            files = file_listing(partial)
+            check_every_rank_wrote_here(partial, written, files)
+            manifest = {**manifest, "path": str(final), "written_at": time.time(), "files": files}
             write_atomically(partial / MANIFEST_FILE, json.dumps(manifest) + "\n")
             if final.exists():  # the same step written again (a resumed run that had finished)
                 shutil.rmtree(final)
@@ -65,6 +64,20 @@ def save_checkpoint(
         ) from None
     collectives.barrier()
     return final
+
+
+def check_every_rank_wrote_here(partial: Path, written: list[list[str]], listed) -> None:
+    """Each rank's files, as that rank sees them, are in the directory rank 0 lists: otherwise
+    the ranks wrote to different places (other run directories, or a path that is not one
+    shared filesystem) and the checkpoint would be incomplete."""
+    for rank, names in enumerate(written):
+        lost = [name for name in names if name not in listed]
+        if lost:
+            raise CheckpointWriteError(
+                f"checkpoint {partial} lacks rank {rank}'s {', '.join(lost)}, which rank {rank} "
+                "wrote where it sees that path: every rank must write into one run directory on "
+                "a filesystem all of them see (the same hydra.run.dir on every rank)"
+            )
 
 
 def read_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -16,13 +16,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from recipe.compare.diff import all_passed, compare_all
+from recipe.compare.diff import all_passed
 from recipe.compare.golden import export_golden, load_golden
+from recipe.compare.judge import judge
 from recipe.compare.plot import plot_comparisons
 from recipe.compare.report import render_markdown
 from recipe.compare.runs import find_runs, load_run
 from recipe.compare.tokens import compare_records, compare_token_records, render_token_report
-from recipe.names import FP32_RTOL, FP32_TOKEN_ATOL
+from recipe.errors import RecipeError
+from recipe.names import FP32_RTOL, FP32_TOKEN_ATOL, NOISE_FLOORS, NOISE_MARGIN
 from recipe.rundir.tokens import read_token_records
 
 
@@ -45,6 +47,22 @@ def main(argv: list[str] | None = None) -> int:
         default=FP32_RTOL,
         help=f"largest relative difference per step (default {FP32_RTOL:g}, fp32 on CPU; "
         "about 0.05 for bf16 on GPU)",
+    )
+    parser.add_argument(
+        "--noise-floor",
+        choices=NOISE_FLOORS,
+        default="auto",
+        help="auto (default): where a run fails at --rtol, train its baseline's noise twin (the "
+        "baseline again with the sequences of each micro-batch reversed, into <baseline>/"
+        "noise_twin/, reused next time) and allow --noise-margin times the baseline's own drift "
+        "from it at each step; twin: do that for every baseline; fixed: --rtol on every step",
+    )
+    parser.add_argument(
+        "--noise-margin",
+        type=float,
+        default=NOISE_MARGIN,
+        help=f"how many times the baseline's own drift a run may differ by (default "
+        f"{NOISE_MARGIN:g})",
     )
     parser.add_argument("--plot", help="write loss curves and differences to this PNG file")
     parser.add_argument("--report", help="also write the table (markdown) to this file")
@@ -77,12 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if args.rtol <= 0:
-        print(f"error: --rtol must be > 0, got {args.rtol}", file=sys.stderr)
-        return 2
+    for name in ("rtol", "noise_margin"):
+        if getattr(args, name) <= 0:
+            flag = "--" + name.replace("_", "-")
+            print(f"error: {flag} must be > 0, got {getattr(args, name)}", file=sys.stderr)
+            return 2
     if baseline is not None and all(r.path.resolve() != baseline.path.resolve() for r in runs):
         runs = [baseline, *runs]
-    comparisons = compare_all(runs, args.rtol, baseline)
+    floor = "fixed" if golden_tokens is not None else args.noise_floor  # a golden has no twin
+    try:
+        comparisons = judge(runs, args.rtol, baseline, floor, args.noise_margin)
+    except (RecipeError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     report = render_markdown(comparisons, args.rtol)
     tokens_passed = True
     if args.per_token:

@@ -13,8 +13,16 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
-from recipe.compare.runs import IGNORED_PREFIXES, Run, nonfinite_steps, series
+from recipe.compare.noise import NoiseFloor
+from recipe.compare.runs import (
+    IGNORED_PREFIXES,
+    Run,
+    nonfinite_steps,
+    relative_difference,
+    series,
+)
 
 DEFAULT_METRICS = ("lm_loss", "mtp_loss", "grad_norm")
 # Keys that may differ between a run and its baseline: how the work is split, not what is computed.
@@ -31,6 +39,7 @@ LAYOUT_KEYS = (
     "trainer.megatron.overlap_grad_reduce",
     "model.attention_backend",
     "batching.max_tokens_per_rank",
+    "batching.sequence_order",
     "model.pass_position_ids",
     # How 3-D positions reach the rope: a correct delivery changes nothing, so every variant is
     # judged against the reference run (which delivers them whole: see Run.is_reference_layout).
@@ -72,6 +81,10 @@ class MetricDiff:
     final_baseline: float | None = None
     correlation: float | None = None
     note: str = ""
+    worst_ratio: float | None = None
+    """The largest relative difference in units of the step's tolerance (> 1 fails)."""
+    worst_step: int | None = None
+    """The step of `worst_ratio`."""
 
 
 @dataclass
@@ -83,6 +96,8 @@ class Comparison:
     passed: bool | None
     """None when there is nothing to compare against (a baseline row)."""
     notes: list[str]
+    floor: NoiseFloor | None = None
+    """The baseline's noise floor the run was judged with; None: `rtol` on every step."""
 
 
 def _correlation(xs: list[float], ys: list[float]) -> float | None:
@@ -96,14 +111,15 @@ def _correlation(xs: list[float], ys: list[float]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / (sx * sy)
 
 
-def relative_difference(a: float, b: float) -> float:
-    scale = max(abs(a), abs(b))
-    return abs(a - b) / scale if scale > 0 else 0.0
-
-
 def compare(
-    run: Run, baseline: Run | None, rtol: float, metrics: tuple[str, ...] = DEFAULT_METRICS
+    run: Run,
+    baseline: Run | None,
+    rtol: float,
+    metrics: tuple[str, ...] = DEFAULT_METRICS,
+    floor: NoiseFloor | None = None,
 ) -> Comparison:
+    """The run against its baseline; each step's tolerance is `rtol`, or with a `floor` the
+    larger of `rtol` and the floor's margin times the baseline's own drift by that step."""
     if baseline is None:
         return Comparison(run, None, [], 0, None, list(run.notes))
     notes, diffs, ok = list(run.notes), [], True
@@ -142,12 +158,17 @@ def compare(
         rel_d = [relative_difference(x, y) for x, y in zip(xs, ys)]
         finite = all(math.isfinite(v) for v in xs + ys)
         diff = MetricDiff(metric, max(abs_d), max(rel_d), xs[-1], ys[-1], _correlation(xs, ys))
+        ratios = [
+            r / (floor.threshold(metric, s, rtol) if floor else rtol) for s, r in zip(steps, rel_d)
+        ]
+        worst = max(range(len(steps)), key=ratios.__getitem__)
+        diff.worst_ratio, diff.worst_step = ratios[worst], steps[worst]
         if not finite:
             diff.note = "non-finite values"
         diffs.append(diff)
-        ok = ok and finite and diff.max_rel <= rtol
+        ok = ok and finite and diff.worst_ratio <= 1
         compared = max(compared, len(steps))
-    return Comparison(run, baseline, diffs, compared, ok, notes)
+    return Comparison(run, baseline, diffs, compared, ok, notes, floor)
 
 
 def compare_all(
@@ -155,8 +176,14 @@ def compare_all(
     rtol: float,
     baseline: Run | None = None,
     metrics: tuple[str, ...] = DEFAULT_METRICS,
+    floors: dict[Path, NoiseFloor] | None = None,
 ) -> list[Comparison]:
-    return [compare(r, b, rtol, metrics) for r, b in zip(runs, pick_baselines(runs, baseline))]
+    """Every run against its baseline; `floors` maps a baseline's path to its noise floor."""
+    floors = floors or {}
+    return [
+        compare(r, b, rtol, metrics, floors.get(b.path) if b is not None else None)
+        for r, b in zip(runs, pick_baselines(runs, baseline))
+    ]
 
 
 def all_passed(comparisons: list[Comparison]) -> bool:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recipe.compare.diff import DEFAULT_METRICS, Comparison, all_passed, compare_all
+from recipe.compare.diff import DEFAULT_METRICS, Comparison, all_passed
+from recipe.compare.judge import judge
 from recipe.compare.plot import plot_comparisons
 from recipe.compare.runs import Run, run_labels
 from recipe.compare.tokens import TOKEN_ATOL, compare_token_records, render_token_report
+from recipe.names import NOISE_MARGIN
 from recipe.rundir.tokens import has_token_records
 
 
@@ -19,11 +21,27 @@ def _fmt(value: float | None, spec: str = ".3e") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def _margin(diff, rtol: float) -> str:
-    """The largest relative difference in units of the tolerance: 0.02x passes, 33x fails."""
-    if diff is None or diff.max_rel is None:
+def _margin(diff) -> str:
+    """The largest relative difference in units of its step's tolerance: 0.02x passes, 33x
+    fails (at step N: where it was worst)."""
+    if diff is None or diff.worst_ratio is None:
         return "n/a"
-    return f"{diff.max_rel / rtol:.3g}x"
+    return f"{diff.worst_ratio:.3g}x (step {diff.worst_step})"
+
+
+def _floors(comparisons: list[Comparison], metrics: list[str], rtol: float) -> list[str]:
+    """One line per baseline: the tolerance its runs were judged with."""
+    lines, seen = [], set()
+    for c in comparisons:
+        if c.baseline is None or c.baseline.path in seen:
+            continue
+        seen.add(c.baseline.path)
+        if c.floor is None:
+            how = f"rtol {rtol:g} on every step (no noise twin)"
+        else:
+            how = f"max(rtol {rtol:g}, margin x drift) from its {c.floor.describe(metrics)}"
+        lines.append(f"- baseline {c.baseline.path.name}: {how}")
+    return lines
 
 
 def render_markdown(
@@ -44,12 +62,13 @@ def render_markdown(
     header = ["run", "baseline", "steps"]
     for m in metrics:
         header += [f"{m} max abs", f"{m} max rel", f"{m} final (run / base)"]
-    header += ["lm_loss max rel / rtol", "lm_loss corr", "verdict"]
+    header += ["worst / tolerance", "lm_loss corr", "verdict"]
     lines = [
         "# Parity report\n",
-        f"Tolerance: relative difference <= {rtol:g} on every step for "
-        f"{', '.join(metrics)}. Baseline: the cp=1 (dp=1, tp=1) run with otherwise the same "
-        "settings unless one was given.\n",
+        f"Tolerance: relative difference on every step for {', '.join(metrics)}, at most "
+        f"{rtol:g} or, where the baseline has a noise twin, its margin times the baseline's own "
+        "fp32 drift by that step if larger. Baseline: the cp=1 (dp=1, tp=1) run with otherwise "
+        "the same settings unless one was given.\n",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]
@@ -83,7 +102,7 @@ def render_markdown(
                     ]
             lm = by_metric.get("lm_loss")
             row += [
-                _margin(lm, rtol),
+                _margin(_worst(c)),
                 _fmt(lm.correlation if lm else None, ".6f"),
                 "**FAIL** (job failed)"
                 if c.run.path.name in crashed
@@ -99,12 +118,10 @@ def render_markdown(
     notes = [f"- {labels[c.run.path]}: {n}" for c in comparisons for n in c.notes]
     notes += [f"- {labels[c.run.path]}: {note}" for c in comparisons if (note := _spikes(c.run))]
     missed = [
-        f"- {labels[c.run.path]}: lm_loss {_margin(d, rtol)} rtol"
+        f"- {labels[c.run.path]}: {d.metric} {_margin(d)} the tolerance"
         + (f"; {tokens[c.run.path]}" if c.run.path in tokens else "")
         for c in comparisons
-        if c.passed is False
-        for d in c.diffs
-        if d.metric == "lm_loss" and d.max_rel is not None
+        if c.passed is False and (d := _worst(c)) is not None
     ]
     if missed:
         lines += [
@@ -113,6 +130,9 @@ def render_markdown(
             *missed,
         ]
     notes += [f"- job {job} failed: {error}" for job, error in failures]
+    floors = _floors(comparisons, metrics, rtol)
+    if floors:
+        lines += ["", "Tolerance per baseline:", *floors]
     if notes:
         lines += ["", "Notes:", *notes]
     compared = [c for c in comparisons if c.passed is not None]
@@ -120,6 +140,12 @@ def render_markdown(
     passed = len([c for c in compared if c.passed and c.run.path.name not in crashed])
     lines += ["", f"{passed} passed, {len(failed)} failed"]
     return "\n".join(lines) + "\n"
+
+
+def _worst(c: Comparison):
+    """The metric that came closest to (or went furthest past) its tolerance."""
+    judged = [d for d in c.diffs if d.worst_ratio is not None]
+    return max(judged, key=lambda d: d.worst_ratio) if judged else None
 
 
 def _spikes(run) -> str:
@@ -143,11 +169,13 @@ def write_report(
     rtol: float,
     baseline: Run | None = None,
     failures: list[tuple[str, str]] = (),
+    noise_floor: str = "auto",
+    margin: float = NOISE_MARGIN,
 ) -> tuple[str, bool]:
-    """Write the markdown report and the plot for `runs` (and jobs that failed); returns
-    (report, all passed)."""
+    """Write the markdown report and the plot for `runs` (and jobs that failed), judged under
+    `noise_floor` (recipe/compare/judge.py); returns (report, all passed)."""
     out_dir = Path(out_dir)
-    comparisons = compare_all(runs, rtol, baseline)
+    comparisons = judge(runs, rtol, baseline, noise_floor, margin)
     token_sections, token_misses, tokens_passed = [], {}, True
     for c in comparisons:
         if c.baseline is None or not (

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recipe.rundir.job_files import read_job_config
-from recipe.rundir.layout import METRICS_FILE, metrics_path
+from recipe.rundir.layout import METRICS_FILE, NOISE_TWIN_DIR, metrics_path
 from recipe.rundir.metrics import parse_metrics_lines
 
 # Config keys that say nothing about what a run computed: where it wrote and how it logged.
@@ -88,7 +88,14 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
         if metrics_path(p).exists():
             runs.append(load_run(p))
             continue
-        found = sorted({m.parent for m in p.rglob(METRICS_FILE)}, key=_natural_key)
+        found = sorted(
+            {
+                m.parent
+                for m in p.rglob(METRICS_FILE)
+                if NOISE_TWIN_DIR not in m.relative_to(p).parts  # a baseline's, not a run
+            },
+            key=_natural_key,
+        )
         if not found:
             raise FileNotFoundError(f"{p} holds no {METRICS_FILE}: nothing to compare")
         runs.extend(load_run(f) for f in found)
@@ -96,7 +103,8 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
 
 
 def _natural_key(path: Path):
-    return [int(part) if part.isdigit() else part for part in path.parts]
+    # Numbered jobs in number order, before any other name (a sweep may hold both).
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.parts]
 
 
 def series(run: Run, metric: str) -> dict[int, float]:
@@ -106,6 +114,11 @@ def series(run: Run, metric: str) -> dict[int, float]:
         for m in run.metrics
         if metric in m and m[metric] is not None
     }
+
+
+def relative_difference(a: float, b: float) -> float:
+    scale = max(abs(a), abs(b))
+    return abs(a - b) / scale if scale > 0 else 0.0
 
 
 def nonfinite_steps(run: Run, metric: str) -> list[int]:

@@ -9,9 +9,11 @@ built from those files: the same in either case. When the sweep ends the callbac
 `parity_report.md` and `loss_curves.png` into the sweep directory (and only there, and only in a
 multirun: a single run, or a torchrun rank, writes no report). At the start it
 removes a previous sweep's report from a reused sweep directory and checks `compare.*` against the
-sweep's job count, so a bad baseline stops the sweep before the first job. A failed job stops the
-sweep; the report is then written at once, with the failure in it (and again as each job still
-running ends, so that the last one leaves the whole picture). A report with a FAIL makes the
+sweep's job count, so a bad baseline stops the sweep before the first job. A failed job does not
+stop the sweep: Hydra's basic launcher runs every job in turn (the submitit ones run them at
+once), and only then ends the sweep with the first failed job's error, exit 1, without calling
+`on_multirun_end`. So from the first failure on, the report is written as each job ends, with every
+failure so far in it; the last job's leaves the whole picture. A report with a FAIL makes the
 sweep exit 1 (`compare.fail_exit_code`). It prints rather
 than logs: it runs in Hydra's launcher process after the jobs, where logging carries Hydra's own
 `[HYDRA]` prefix and no job's train.log is the right file; the report is its own file.
@@ -132,7 +134,7 @@ class ParityReportCallback(Callback):
             error = lines[0] if lines else "unknown error"
         record_job(self.sweep_dir, config.hydra.job.num, output_dir, error)
         _, failures = recorded_jobs(self.sweep_dir)
-        if failures:  # Hydra then stops the sweep with the job's error (exit 1)
+        if failures:  # Hydra skips on_multirun_end when a job failed: the report is written now
             with _report_lock(self.sweep_dir):
                 self._write()
 
@@ -172,6 +174,8 @@ class ParityReportCallback(Callback):
             rtol=float(self.compare_cfg.rtol),
             baseline=baseline,
             failures=failures,
+            noise_floor=self.compare_cfg.noise_floor,
+            margin=float(self.compare_cfg.noise_margin),
         )
         print(report)
         verdict = "all PASS" if passed else "some FAIL"

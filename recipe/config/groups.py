@@ -16,10 +16,13 @@ from recipe.names import (
     ENGINES,
     FP32_RTOL,
     MTP_SCALINGS,
+    NOISE_FLOORS,
+    NOISE_MARGIN,
     NONFINITE_ACTIONS,
     PASS_POSITION_IDS,
     POSITION_EMBEDDINGS,
     PRECISIONS,
+    SEQUENCE_ORDERS,
     SPIKE_ACTIONS,
     VISION_POSITIONS,
     WANDB_MODES,
@@ -227,10 +230,15 @@ class BatchingConfig:
     """Real tokens per optimizer step (whole sequences, filled greedily up to this count)."""
     max_tokens_per_rank: int = 4096
     """Tokens one rank holds in a micro-batch after CP sharding, counted after alignment padding."""
+    sequence_order: str = "data"
+    """data | reversed: the order of the sequences inside each packed micro-batch. Reversed changes
+    only the order in which token sums are taken, not what is computed: the noise twin that the
+    comparison trains to learn a setting's fp32 rounding noise (docs/comparing-runs.md)."""
 
     def __post_init__(self) -> None:
         positive("batching.tokens_per_step", self.tokens_per_step)
         positive("batching.max_tokens_per_rank", self.max_tokens_per_rank)
+        one_of("batching.sequence_order", self.sequence_order, SEQUENCE_ORDERS)
 
 
 @dataclass
@@ -576,9 +584,19 @@ class CompareConfig:
     of the sweep (e.g. "0") to compare every job with that one."""
     fail_exit_code: bool = True
     """A sweep whose parity report has a FAIL (or no report) exits 1, so scripts and CI notice."""
+    noise_floor: str = "auto"
+    """auto | twin | fixed: each step's tolerance is max(rtol, noise_margin x the baseline's own
+    fp32 drift by that step), the drift learned from the baseline's noise twin (trained with the
+    sequences of each micro-batch reversed). auto: the twin is trained, where the report is made,
+    only when a run fails at rtol; twin: the baseline job trains it right after itself (on a
+    cluster, on the baseline's own node); fixed: rtol on every step."""
+    noise_margin: float = NOISE_MARGIN
+    """How many times the baseline's own drift a run may differ by (see docs/comparing-runs.md)."""
 
     def __post_init__(self) -> None:
         positive("compare.rtol", self.rtol)
+        positive("compare.noise_margin", self.noise_margin)
+        one_of("compare.noise_floor", self.noise_floor, NOISE_FLOORS)
         require(
             self.baseline == "auto" or str(self.baseline).isdigit(),
             f"compare.baseline={self.baseline!r}: use auto or a job number such as 0",

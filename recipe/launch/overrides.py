@@ -1,6 +1,6 @@
 """Let `cp=2` select the config group option `cp/2.yaml`, and refuse a group option that does not
-exist (or a launcher whose plugin is not installed) before Hydra does (Hydra's own error exits 1
-and lists nothing to do instead).
+exist, a key the schema does not define, or a launcher whose plugin is not installed before Hydra
+does (Hydra's own error exits 1 and points at the wrong fix, or at none).
 
 Hydra parses `cp=2` as an integer and refuses it as a group choice ("Config group override must be
 a string"). Quoting the value on the way in keeps the documented command line (`cp=2`,
@@ -12,7 +12,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from recipe.environment import read_environment
+from recipe.config.keys import unknown_key
+from recipe.environment import launched_run_name, read_environment
+from recipe.errors import ConfigError
 
 NUMERIC_GROUPS = ("cp",)
 _NUMBER_LIST = re.compile(r"^\d+(,\d+)*$")
@@ -32,28 +34,37 @@ def quote_numeric_group_choices(
     return rewritten
 
 
-def single_run_dir_for_rank(args: list[str], environ: dict[str, str]) -> list[str]:
-    """Under torchrun or SLURM every rank runs Hydra; only rank 0 may create a run directory.
+def run_dir_for_launched_rank(args: list[str], environ: dict[str, str]) -> list[str]:
+    """Under torchrun, SLURM or submitit every rank runs Hydra: they must all name one run
+    directory, and only rank 0 may create it (Hydra's files, the log, the claim).
 
-    Each rank would otherwise make its own timestamped folder (or, in the same second, share one
-    with another job). Ranks other than 0 therefore write no Hydra files or logs; they keep a
-    `hydra.run.dir` given on the command line (where checkpoints gather every rank's shard) and
-    otherwise run in the current directory. Rank 0's directory is the job's one output directory.
+    Each rank would otherwise resolve the default `outputs/<date>/<time>` at its own microsecond,
+    and rank 1's checkpoint shards would land elsewhere than the manifest rank 0 writes. Without a
+    `hydra.run.dir` on the command line the ranks take `outputs/<launcher>/<id>` from what their
+    launcher tells every rank alike (torchrun's run id, SLURM's job and step); ranks other than 0
+    also write no Hydra files or logs. Raises ConfigError for a launcher that names nothing.
+    A multirun's directories are decided by the process that submits it: unchanged.
     """
-    if read_environment(environ).rank == 0:
+    env = read_environment(environ)
+    if not env.external or any(a in ("-m", "--multirun") for a in args):
         return args
-    if any(arg.startswith("hydra.run.dir=") for arg in args):
-        # The job's directory, named on every rank's command line (train.sbatch, the README's
-        # torchrun): every rank must write its checkpoint shards there, rank 0 alone the rest.
-        return [*args, *QUIET_HYDRA_OUTPUTS]
-    return [*args, "hydra.run.dir=.", *QUIET_HYDRA_OUTPUTS]
+    if not any(arg.startswith("hydra.run.dir=") for arg in args):
+        name = launched_run_name(environ)
+        if name is None:
+            raise ConfigError(
+                f"rank {env.rank} of {env.world_size}: the launcher gives the ranks no shared "
+                "run id to name their one run directory by; pass the same hydra.run.dir=DIR to "
+                "every rank"
+            )
+        args = [*args, f"hydra.run.dir=outputs/{name}"]
+    return args if env.rank == 0 else [*args, *QUIET_HYDRA_OUTPUTS]
 
 
-# What a rank other than 0 adds so that it writes no Hydra files or logs (its warnings and errors
-# still reach its own stderr, which the launcher keeps per rank).
+# What a rank other than 0 adds so that it writes no Hydra files or logs: its warnings and errors
+# reach its own stderr, naming the rank (conf/hydra/job_logging/other_ranks.yaml).
 QUIET_HYDRA_OUTPUTS = (
     "hydra.output_subdir=null",
-    "hydra/job_logging=disabled",
+    "hydra/job_logging=other_ranks",
     "hydra/hydra_logging=disabled",
 )
 
@@ -100,4 +111,26 @@ def check_group_choices(args: list[str], conf_dir: Path) -> str | None:
                     f"{group}={choice}: the config group {group} has no option {choice!r}; "
                     f"its options are {', '.join(options)}" + (f"; {hint}" if hint else "")
                 )
+    return None
+
+
+def check_override_keys(args: list[str], conf_dir: Path) -> str | None:
+    """A message for the first override whose key the schema does not define, else None.
+
+    Hydra answers `trainer.max_step=5` with advice to add the key with `+`, which the schema then
+    refuses at start-up; named here, the typo gets the closest key instead. Hydra's own keys
+    (`hydra.*`, `hydra/launcher=...`), group choices (`cp=2`, `experiment=...`), deletions (`~key`)
+    and its flags are left to Hydra; `+`/`++` keys are checked like plain ones (a real key with `+`
+    still gets Hydra's own advice to drop it)."""
+    for arg in args:
+        key, sep, _ = arg.partition("=")
+        key = key.lstrip("+")
+        if not sep or arg.startswith(("-", "~")) or "@" in key or "/" in key:
+            continue
+        if key == "hydra" or key.startswith("hydra."):
+            continue
+        if "." not in key and (conf_dir / key).is_dir():
+            continue  # a group choice; check_group_choices checks the option
+        if problem := unknown_key(key):
+            return problem
     return None

@@ -1,8 +1,8 @@
 """Every check that needs more than the config, made once, in the process that starts the run.
 
 The schema (`recipe.config`) refuses what the config alone shows. What depends on this machine
-(its device and the installed Transformer Engine), on code loaded from outside (your
-`cp.preprocess` function, a release's wheel) or on files (the world a launcher started, the
+(its device, the installed Transformer Engine, wandb and its login), on code loaded from outside
+(your `cp.preprocess` function, a release's wheel) or on files (the world a launcher started, the
 checkpoint `trainer.resume` names) is checked here, before any rank starts or data loads, so a
 bad choice is one start-up error naming the field, not a failure in every rank.
 """
@@ -10,19 +10,22 @@ bad choice is one start-up error naming the field, not a failure in every rank.
 from __future__ import annotations
 
 import inspect
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from recipe.checkpoint import read_manifest, resolve_resume, resume_differences
-from recipe.config import TrainConfig
+from recipe.config import TrainConfig, WandbConfig
 from recipe.config.preprocess import FUNCTION, RELEASE, parse_preprocess
 from recipe.environment import ProcessEnvironment, launched_world_problem
 from recipe.errors import ConfigError
 from recipe.megatron.versions import check_te_cp_comm_type, transformer_engine_version
 from recipe.model.numerics import check_backend_and_precision, resolve_precision
-from recipe.rundir.metrics import holds_metrics, run_id_in
+from recipe.rundir.layout import SET_ASIDE_DIR
+from recipe.rundir.metrics import holds_metrics, read_metrics
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,8 @@ def preflight(cfg: TrainConfig, device: torch.device) -> Preflight:
 
 
 def check_run_choices(cfg: TrainConfig, device: torch.device) -> None:
-    """What the config alone cannot check: choices that depend on this machine's device."""
+    """What the config alone cannot check: choices that depend on this machine's device, the
+    function cp.preprocess names, wandb's login."""
     from recipe.model.gpt import resolve_attention_backend
 
     precision = resolve_precision(cfg.trainer.precision, device)
@@ -52,6 +56,7 @@ def check_run_choices(cfg: TrainConfig, device: torch.device) -> None:
     if backend == "te" and cfg.cp.size > 1:
         check_te_cp_comm_type(cfg.cp.comm_type, transformer_engine_version())
     check_preprocess_function(cfg.cp.preprocess)
+    check_wandb(cfg.logger.wandb)
 
 
 def check_preprocess_function(preprocess: str) -> None:
@@ -90,6 +95,49 @@ def check_preprocess_function(preprocess: str) -> None:
         ) from None
 
 
+def check_wandb(wandb_cfg: WandbConfig) -> None:
+    """wandb is imported, and online mode logs in, only when the logger starts, after the model is
+    built: a missing package or API key is refused here instead, naming the fix."""
+    from importlib.util import find_spec
+
+    mode = wandb_cfg.mode
+    if mode == "disabled":
+        return
+    if find_spec("wandb") is None:
+        raise ConfigError(
+            f"logger.wandb.mode={mode} needs wandb, which is not installed: pip install wandb, "
+            "or run without it: logger.wandb.mode=disabled"
+        )
+    if mode == "online" and not wandb_logged_in():
+        raise ConfigError(
+            "logger.wandb.mode=online needs a wandb API key and none was found (neither "
+            "WANDB_API_KEY nor an entry in ~/.netrc); run `wandb login` or set WANDB_API_KEY, or "
+            "log to files with logger.wandb.mode=offline (`wandb sync` them later)"
+        )
+
+
+def wandb_logged_in() -> bool:
+    """Whether wandb.init() will find credentials, looked up by wandb's own code as init does
+    (WANDB_API_KEY or an identity token file, the netrc entry of the host, wandb's settings)
+    without prompting and without contacting the server. An unreadable key is a ConfigError."""
+    try:
+        from wandb.errors import AuthenticationError
+        from wandb.sdk.lib.wbauth import authenticate_session
+    except ImportError:  # another wandb release: its own login at init tells
+        return True
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    try:
+        found = authenticate_session(
+            host=host, source="start-up check", prompt=False, update_session=False
+        )
+    except AuthenticationError as err:
+        raise ConfigError(
+            f"logger.wandb.mode=online: the wandb credentials cannot be used ({err}); correct "
+            "or unset WANDB_API_KEY, or `wandb login --relogin`, or use logger.wandb.mode=offline"
+        ) from None
+    return found is not None
+
+
 def check_launched_world(cfg: TrainConfig, env: ProcessEnvironment) -> None:
     """A launcher's world (torchrun, an sbatch allocation, a submitit job) that is not tp*cp*dp
     is refused before any rendezvous, with the launch that would fit."""
@@ -107,26 +155,48 @@ def check_resumable(cfg: TrainConfig) -> Path | None:
     if checkpoint is not None:
         manifest = read_manifest(checkpoint)
         resume_differences(manifest, cfg)
-        check_same_run(cfg.output_dir, checkpoint, manifest.get("run_id"))
+        check_same_run(cfg.output_dir, checkpoint, manifest)
     return checkpoint
 
 
-def check_same_run(output_dir: str | None, checkpoint: Path, checkpoint_run: str | None) -> None:
-    """Resuming into a directory that holds another run's metrics would mix two runs in one
-    metrics.jsonl (and replace its summary): refused. The runs' ids decide; for runs written
-    before ids, a checkpoint from outside this directory counts as another run."""
-    if output_dir is None:
-        return
-    if not holds_metrics(output_dir):
+def check_same_run(output_dir: str | None, checkpoint: Path, manifest: dict) -> None:
+    """Resuming into a directory that holds metrics continues the run those metrics record: the
+    directory's records up to the checkpoint's step must be the checkpoint's own history, or
+    the two timelines would mix in one metrics.jsonl (a fork resumed back into its parent's
+    directory shares the parent's run id, so ids alone cannot tell). A set-aside checkpoint
+    belongs to an abandoned timeline: it resumes only into a new directory."""
+    if output_dir is None or not holds_metrics(output_dir):
         return  # a new directory gets the checkpoint's records: the run continues there
-    here = run_id_in(output_dir)
-    inside = Path(output_dir).resolve() in Path(checkpoint).resolve().parents
-    same = here == checkpoint_run if here and checkpoint_run else inside
-    if not same:
-        whose = f"run {here}" if here else "another run"
+    fix = (
+        "Resume into a new hydra.run.dir (the checkpoint's records are copied there), or into "
+        "the run directory whose records it continues"
+    )
+    if SET_ASIDE_DIR in Path(checkpoint).resolve().parent.parts:
         raise ConfigError(
-            f"run directory {output_dir} holds the metrics of {whose}; checkpoint {checkpoint} "
-            f"belongs to {'run ' + checkpoint_run if checkpoint_run else 'another run'}. Resume "
-            "into a new hydra.run.dir (the checkpoint's records are copied there) or into the "
-            "checkpoint's own run directory"
+            f"checkpoint {checkpoint} was set aside (a later step of an abandoned timeline); "
+            f"run directory {output_dir} records another timeline. {fix.split(', or')[0]}"
         )
+    step = manifest.get("step")
+    here = [r for r in read_metrics(output_dir) if r.get("step", 0) <= step]
+    differs = first_difference(here, manifest.get("history") or [])
+    if differs is not None:
+        raise ConfigError(
+            f"run directory {output_dir} records another timeline than checkpoint {checkpoint} "
+            f"(step {step}): {differs}. {fix}"
+        )
+
+
+def first_difference(here: list[dict], history: list[dict]) -> str | None:
+    """Where a directory's records and a checkpoint's history part, or None if they agree."""
+    for mine, theirs in zip(here, history):
+        if json.dumps(mine, sort_keys=True) != json.dumps(theirs, sort_keys=True):
+            return (
+                f"the records of step {theirs.get('step')} differ (lm_loss {mine.get('lm_loss')} "
+                f"there, {theirs.get('lm_loss')} in the checkpoint)"
+            )
+    if len(here) != len(history):
+        return (
+            f"the directory records {len(here)} steps up to that step, the checkpoint "
+            f"{len(history)}"
+        )
+    return None

@@ -16,11 +16,12 @@ from recipe.checkpoint import set_aside_newer
 from recipe.config import TrainConfig
 from recipe.data.corpus import load_corpus
 from recipe.environment import cuda_available, read_environment
+from recipe.errors import ConfigError
 from recipe.launch.preflight import Preflight, preflight
 from recipe.log import get_logger
 from recipe.megatron.cpu_patches import install_cpu_patches, seed_model_parallel_rng
 from recipe.model.numerics import apply_determinism
-from recipe.parallel import groups
+from recipe.parallel import collectives, groups
 from recipe.training.loggers import NullLogger, RunLogger
 from recipe.training.preemption import Preempted, requeue_slurm_job
 from recipe.training.trainer import Trainer
@@ -35,6 +36,21 @@ def where_training_starts(resume: str | None, checkpoint: Path | None, step: int
     if resume == "auto":
         return "no checkpoint to resume in this run directory: starting at step 0"
     return "starting at step 0"
+
+
+def _absolute(path: str | None) -> str | None:
+    return os.path.abspath(path) if path else None
+
+
+def check_one_run_directory(per_rank: list[str | None]) -> None:
+    """Every rank of a world writes into one run directory: a checkpoint gathers every rank's
+    shard there, and rank 0's manifest lists what it sees there."""
+    if len(set(per_rank)) > 1:
+        shown = ", ".join(f"rank {r}: {d}" for r, d in enumerate(per_rank))
+        raise ConfigError(
+            f"the ranks of this world name different run directories ({shown}); give every "
+            "rank the same hydra.run.dir, on a filesystem all of them see"
+        )
 
 
 def _set_threads(local_world: int) -> None:
@@ -54,6 +70,7 @@ def train(cfg: TrainConfig, checked: Preflight | None = None) -> dict:
     layout = groups.init_distributed(cfg.parallel_dims, env, cfg.trainer.collective_timeout_s)
     logger = NullLogger()
     try:
+        check_one_run_directory(collectives.all_gather_objects(_absolute(cfg.output_dir)))
         _set_threads(env.local_world_size)
         seed_model_parallel_rng(cfg.trainer.seed)
         if checked is None:

@@ -20,6 +20,7 @@ from recipe.config import ConfigError, TrainConfig
 from recipe.environment import ProcessEnvironment, adopt_environment
 from recipe.errors import RecipeError
 from recipe.launch.local import RanksStopped, check_launchable, launch_world
+from recipe.launch.noise_twin import is_sweep_baseline, train_twin_here
 from recipe.launch.preflight import (
     Preflight,
     check_launched_world,
@@ -111,6 +112,10 @@ def run(cfg: DictConfig):
         raise
     summary = result["summary"]
     log.info(_format_summary(summary, typed.output_dir))
+    if multirun and env.rank == 0 and typed.compare.noise_floor == "twin":
+        if is_sweep_baseline(typed, hydra_cfg.job.num):
+            log.info(f"compare.noise_floor=twin: training the noise twin of {typed.output_dir}")
+            train_twin_here(typed.output_dir)
     return summary.get("final_eval_lm_loss")
 
 

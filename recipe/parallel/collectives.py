@@ -142,3 +142,8 @@ def all_gather_objects(obj, group=None) -> list:
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+def global_rank() -> int:
+    """This process's rank in the default group (0 without one)."""
+    return dist.get_rank() if dist.is_initialized() else 0

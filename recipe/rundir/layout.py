@@ -10,6 +10,7 @@
               checkpoints/step_00000010/          a checkpoint, with its manifest.json
               checkpoints/step_00000010.partial/  one being written (never read)
               checkpoints/set_aside/              checkpoints of an abandoned timeline
+              noise_twin/               the same run, sequences reversed: its fp32 noise
 
 A name changed here changes it for every reader and writer at once; the checkpoints of a run
 written before a change would no longer be found, so these names do not change lightly.
@@ -35,6 +36,9 @@ CHECKPOINTS_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
 SET_ASIDE_DIR = "set_aside"
+NOISE_TWIN_DIR = "noise_twin"
+"""A run directory of its own inside a baseline's: how far the baseline's own rounding carries
+it (recipe/compare/noise.py); never a run of the comparison itself."""
 
 STEP_PREFIX = "step_"
 STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
@@ -83,3 +87,7 @@ def trace_dir(run_dir: str | Path) -> Path:
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINTS_DIR
+
+
+def noise_twin_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / NOISE_TWIN_DIR

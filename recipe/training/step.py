@@ -82,6 +82,8 @@ def plan_step(
         )
         for ids in per_rank
     ]
+    if cfg.batching.sequence_order == "reversed":
+        plans = [[micro[::-1] for micro in plan] for plan in plans]
     mine = per_rank[layout.dp_rank]
     mtp_layers = cfg.mtp.num_layers if cfg.mtp.enabled else 0
     micro_batches = []

@@ -21,10 +21,11 @@ RANK_VARIABLES = (
 )
 
 
-def run_train_cli(args, cwd, timeout=300, launcher=()):
+def run_train_cli(args, cwd, timeout=300, launcher=(), env_extra=None):
     """`python [LAUNCHER] train.py TINY ARGS` in a clean environment, as a user would run it."""
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     env["WANDB_MODE"] = "disabled"
+    env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, *launcher, str(ROOT / "train.py"), *TINY, *args],
         cwd=cwd,

@@ -1,0 +1,95 @@
+"""The verdict: every run against its baseline, with each baseline's noise floor where it has one.
+
+`compare.noise_floor` (`--noise-floor`) says where floors come from:
+- `auto`: a baseline's stored twin is used; a baseline without one gets its twin trained only when
+  a run fails against it at `rtol` (a short run that passes needs none, and the twin can only
+  raise the tolerance), and every run is then judged again;
+- `twin`: every baseline's twin, trained first where missing;
+- `fixed`: `rtol` on every step, no twin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from recipe.compare.diff import DEFAULT_METRICS, Comparison, compare_all, pick_baselines
+from recipe.compare.noise import (
+    NoiseFloor,
+    TwinFailed,
+    stored_floor,
+    train_twin_process,
+    twin_problem,
+)
+from recipe.compare.runs import Run
+from recipe.names import NOISE_MARGIN
+
+
+def _needs_twin(comparison: Comparison) -> bool:
+    """A run failed against its baseline at `rtol` on a difference a floor could excuse."""
+    return comparison.passed is False and any(
+        d.worst_ratio is not None and d.worst_ratio > 1 for d in comparison.diffs
+    )
+
+
+def judge(
+    runs: list[Run],
+    rtol: float,
+    baseline: Run | None = None,
+    noise_floor: str = "auto",
+    margin: float = NOISE_MARGIN,
+    metrics: tuple[str, ...] = DEFAULT_METRICS,
+    train_twin: Callable[[Path], Path] | None = None,
+    say: Callable[[str], None] = print,
+) -> list[Comparison]:
+    """Compare every run with its baseline under `noise_floor` (see the module); `train_twin`
+    trains a baseline's twin into its directory (default: in a process of its own)."""
+    if noise_floor == "fixed":
+        return compare_all(runs, rtol, baseline, metrics)
+    train_twin = train_twin or train_twin_process
+    floors: dict[Path, NoiseFloor] = {}
+
+    def learn(base: Run, trained: bool) -> None:
+        try:
+            floor = stored_floor(base, metrics, margin)
+        except ValueError:  # a twin cut short: trained again when one is needed
+            if trained:
+                raise
+            floor = None
+        if floor is not None:
+            floors[base.path] = floor
+
+    bases = {b.path: b for b in pick_baselines(runs, baseline) if b is not None}
+    for base in bases.values():
+        learn(base, trained=False)
+    comparisons = compare_all(runs, rtol, baseline, metrics, floors)
+    if noise_floor == "twin":
+        missing = [b for b in bases.values() if b.path not in floors]
+    else:
+        missing = list(
+            {c.baseline.path: c.baseline for c in comparisons if _needs_twin(c)}.values()
+        )
+        missing = [b for b in missing if b.path not in floors]
+    untrainable = {}
+    for base in missing:
+        steps = len(base.metrics)
+        problem = twin_problem(base.path, steps)
+        if problem is not None:
+            untrainable[base.path] = (
+                f"judged at rtol alone: no noise twin can be trained ({problem})"
+            )
+            continue
+        say(f"learning the noise floor of {base.path}: training its noise twin ({steps} steps)")
+        try:
+            train_twin(base.path)
+        except TwinFailed as err:
+            untrainable[base.path] = f"judged at rtol alone: {err}"
+            say(str(err))
+            continue
+        learn(base, trained=True)
+    if missing:
+        comparisons = compare_all(runs, rtol, baseline, metrics, floors)
+    for c in comparisons:
+        if c.baseline is not None and c.baseline.path in untrainable:
+            c.notes.append(untrainable[c.baseline.path])
+    return comparisons
