@@ -173,3 +173,14 @@ def test_a_real_twin_is_the_baseline_summed_in_another_order(shared_runs, tmp_pa
     cp2 = load_run(shared_runs.run_dir([*RUN, "cp=2"]))
     (result,) = [c for c in compare_all([load_run(base), cp2], RTOL) if c.baseline is not None]
     assert result.passed
+
+
+def test_with_noise_floor_twin_the_jobs_a_report_will_judge_against_train_their_twin():
+    from recipe.launch.noise_twin import is_sweep_baseline
+    from tests.helpers.config import typed_config
+
+    assert is_sweep_baseline(typed_config([]), 3), "auto: every reference-layout job"
+    assert not is_sweep_baseline(typed_config(["cp=2"]), 0)
+    assert not is_sweep_baseline(typed_config(["parallel.pp=2", "model.num_layers=2"]), 0)
+    assert is_sweep_baseline(typed_config(["cp=2", "compare.baseline=1"]), 1), "the named job"
+    assert not is_sweep_baseline(typed_config(["compare.baseline=1"]), 0)
