@@ -167,14 +167,11 @@ def check_same_run(output_dir: str | None, checkpoint: Path, manifest: dict) -> 
     belongs to an abandoned timeline: it resumes only into a new directory."""
     if output_dir is None or not holds_metrics(output_dir):
         return  # a new directory gets the checkpoint's records: the run continues there
-    fix = (
-        "Resume into a new hydra.run.dir (the checkpoint's records are copied there), or into "
-        "the run directory whose records it continues"
-    )
+    new_dir = "Resume into a new hydra.run.dir (the checkpoint's records are copied there)"
     if SET_ASIDE_DIR in Path(checkpoint).resolve().parent.parts:
         raise ConfigError(
             f"checkpoint {checkpoint} was set aside (a later step of an abandoned timeline); "
-            f"run directory {output_dir} records another timeline. {fix.split(', or')[0]}"
+            f"run directory {output_dir} records another timeline. {new_dir}"
         )
     step = manifest.get("step")
     here = [r for r in read_metrics(output_dir) if r.get("step", 0) <= step]
@@ -182,7 +179,8 @@ def check_same_run(output_dir: str | None, checkpoint: Path, manifest: dict) -> 
     if differs is not None:
         raise ConfigError(
             f"run directory {output_dir} records another timeline than checkpoint {checkpoint} "
-            f"(step {step}): {differs}. {fix}"
+            f"(step {step}): {differs}. {new_dir}, or into the run directory whose records it "
+            "continues"
         )
 
 
