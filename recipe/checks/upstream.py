@@ -21,85 +21,111 @@ out of range (`--cases` and `--min-length` are 1 or more).
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from recipe.checks.arguments import at_least
-from recipe.checks.preprocess import micro_batches, search
+from recipe.checks.preprocess import search
 from recipe.log import quiet_libraries
-from recipe.parallel.cp.contract import ContractError, first_mismatch
-from recipe.upstream.adapters import LIBRARIES, Loaded, load, parse_spec
+from recipe.parallel.cp.contract import Impact
+from recipe.upstream.checked import Checked, Finding
+from recipe.upstream.registry import MEGATRON_CORE, REGISTRY, known, parse_spec
 from recipe.upstream.source import UpstreamUnavailable
 
 
-@dataclass(frozen=True)
-class Finding:
-    lengths: tuple[int, ...]
-    cp_size: int
-    tp_size: int
-    options: tuple[tuple[str, object], ...]
-    what: str
+@dataclass
+class ModeResult:
+    """One mode of one function: the cases run and the findings, one per impact class reached,
+    worst first."""
 
-    def describe(self) -> str:
-        options = ", ".join(f"{k}={v}" for k, v in self.options) or "defaults"
-        return f"options: {options}; {self.what}"
+    title: str
+    ran: int
+    seconds: float
+    findings: list[Finding]
 
-
-def case_finding(loaded: Loaded, lengths, cp_size, tp_size, options: dict) -> Finding | None:
-    fn = loaded.contract_function(options)
-    try:
-        mismatch = first_mismatch(fn, list(lengths), cp_size, tp_size)
-    except ContractError as err:
-        what = f"lengths={list(lengths)} cp={cp_size} tp={tp_size}: breaks the contract: {err}"
-    except Exception as err:  # noqa: BLE001 (an upstream function raising is the finding)
-        what = (
-            f"lengths={list(lengths)} cp={cp_size} tp={tp_size}: raises {type(err).__name__}: {err}"
-        )
-    else:
-        if mismatch is None:
-            try:
-                problem = loaded.round_trip_problem(lengths, cp_size, tp_size, options)
-            except Exception as err:  # noqa: BLE001 (as above)
-                problem = (
-                    f"lengths={list(lengths)} cp={cp_size} tp={tp_size}: the round trip through "
-                    f"{loaded.inverse_name} raises {type(err).__name__}: {err}"
-                )
-            if problem is None:
-                return None
-            what = problem
-        else:
-            what = mismatch.describe()
-    return Finding(tuple(lengths), cp_size, tp_size, tuple(sorted(options.items())), what)
+    @property
+    def worst(self) -> Finding | None:
+        return self.findings[0] if self.findings else None
 
 
-def options_strategy(loaded: Loaded, fixed: dict):
+def case_finding(checked: Checked, lengths, cp_size, tp_size, options: dict) -> Finding | None:
+    """The finding on one (lengths, cp, tp) micro-batch with these options, or None."""
+    return checked.finding((tuple(lengths), cp_size, tp_size), options)
+
+
+def options_strategy(checked: Checked, fixed: dict, drawn: bool):
     from hypothesis import strategies as st
 
-    drawn = {
+    if not drawn:
+        return st.just({k: v for k, v in fixed.items() if k in checked.drawn})
+    chosen = {
         name: st.just(fixed[name]) if name in fixed else st.sampled_from(values)
-        for name, values in loaded.drawn.items()
+        for name, values in checked.drawn.items()
     }
-    return st.fixed_dictionaries(drawn)
+    return st.fixed_dictionaries(chosen)
 
 
-def check_target(loaded: Loaded, cases: int, seed: int, fixed: dict, drawn: bool,
-                 min_length: int = 1):  # fmt: skip
-    """(finding or None, cases run) at the defaults (drawn=False) or with options drawn."""
+def _search(checked: Checked, cases: int, seed: int, fixed: dict, drawn: bool, min_length: int,
+            impact: Impact | None = None) -> tuple[Finding | None, int]:  # fmt: skip
+    """The minimal finding (of exactly `impact` when given) in `cases` draws, and the count."""
     from hypothesis import strategies as st
 
-    if drawn:
-        options = options_strategy(loaded, fixed)
-    else:
-        options = st.just({k: v for k, v in fixed.items() if k in loaded.drawn})
-    strategy = st.tuples(micro_batches(min_length=min_length), options)
+    strategy = st.tuples(checked.cases(min_length), options_strategy(checked, fixed, drawn))
 
     def one(case):
-        (lengths, cp_size, tp_size), chosen = case
-        chosen = {k: v for k, v in chosen.items() if v is not None}
-        return case_finding(loaded, lengths, cp_size, tp_size, chosen)
+        inner, chosen = case
+        found = checked.finding(inner, {k: v for k, v in chosen.items() if v is not None})
+        if found is None or (impact is not None and found.impact != impact):
+            return None
+        return found
 
     return search(strategy, one, cases, seed)
+
+
+def check_target(checked: Checked, cases: int, seed: int, fixed: dict, drawn: bool,
+                 min_length: int = 1):  # fmt: skip
+    """(the first finding, shrunk, or None; cases run) at the defaults or with options drawn."""
+    return _search(checked, cases, seed, fixed, drawn, min_length)
+
+
+def check_mode(checked: Checked, title: str, cases: int, seed: int, fixed: dict, drawn: bool,
+               min_length: int = 1) -> ModeResult:  # fmt: skip
+    """The first finding, then a search for each worse impact class, worst first, stopping at
+    the first it reaches: a finding is reported at its worst, each class with its own minimal
+    case, not at the impact of whatever case shrank first."""
+    start = time.perf_counter()
+    first, ran = _search(checked, cases, seed, fixed, drawn, min_length)
+    findings = []
+    if first is not None:
+        findings.append(first)
+        for impact in sorted((i for i in Impact if i > first.impact), reverse=True):
+            worse, more = _search(checked, cases, seed, fixed, drawn, min_length, impact)
+            ran += more
+            if worse is not None:
+                findings.insert(0, worse)
+                break
+    return ModeResult(title, ran, time.perf_counter() - start, findings)
+
+
+def modes(checked: Checked) -> list[tuple[str, bool]]:
+    found = [("default options", False)]
+    if checked.drawn:
+        found.append((f"options drawn ({', '.join(checked.drawn)})", True))
+    return found
+
+
+def print_mode(result: ModeResult) -> None:
+    if result.worst is None:
+        print(f"  PASS {result.title}: {result.ran} cases on every rank, {result.seconds:.1f} s")
+        return
+    print(f"  FAIL {result.title}: worst impact {result.worst.impact.label} ({result.ran} cases, "
+          f"{result.seconds:.1f} s); the minimal case of each class reached:")  # fmt: skip
+    for finding in result.findings:
+        print(f"    {finding.describe()}")
 
 
 def _value(text: str):
@@ -126,7 +152,6 @@ def parse_fixed(pairs: list[str]) -> dict:
     return fixed
 
 
-MEGATRON_CORE = "megatron-core"
 # How real callers fill PackedSeqParams for megatron's MTP roll (recipe/checks/mtp_roll.py).
 ROLL_CALLERS = {
     "padded": "cu_seqlens_q = the padded offsets (as verl passes them)",
@@ -139,8 +164,6 @@ def run_megatron_core(version: str | None, function: str | None, cases: int, see
                       fixed: dict, control: str | None, min_length: int) -> int:  # fmt: skip
     """megatron-core's MTP roll_tensor on real gloo ranks (cp 2 and 4), once per way real
     callers fill cu_seqlens_q. It runs the installed release: its ranks import megatron."""
-    from recipe.checks import mtp_roll
-    from recipe.launch.local import RanksFailed
     from recipe.upstream.source import installed_version
 
     installed = installed_version(MEGATRON_CORE)
@@ -163,45 +186,75 @@ def run_megatron_core(version: str | None, function: str | None, cases: int, see
     if set(kinds) - set(ROLL_CALLERS):
         raise UpstreamUnavailable(f"--fixed cu_seqlens_q: one of {', '.join(ROLL_CALLERS)}")
     broken = " [broken copy: function]" if control else ""
-    print(f"megatron-core@{installed} roll_tensor (MTP, THD + CP){broken}: "
-          "megatron/core/transformer/multi_token_prediction.py")  # fmt: skip
+    print(f"megatron-core@{installed} roll_tensor (MTP, THD + CP){broken}: {ROLL_FILE}")
     print("  on real gloo ranks, cp 2 and 4: labels and loss mask rolled on every rank, against "
           "the rolled ground truth")  # fmt: skip
     found = 0
-    for kind in kinds:
-        start = time.perf_counter()
-        try:
-            finding, ran = mtp_roll.check_roll(cases=cases, seed=seed, broken=bool(control),
-                                               cu_kind=kind)  # fmt: skip
-        except mtp_roll.PointToPointTimeout as err:  # the ranks did not fail alike: a finding
-            finding, ran = err, cases
-        except RanksFailed as err:
-            raise UpstreamUnavailable(f"the checker's ranks failed: {err}") from None
-        took = time.perf_counter() - start
+    for kind, finding, ran, took in roll_results(kinds, cases, seed, bool(control)):
         if finding is None:
             print(f"  PASS {ROLL_CALLERS[kind]}: {ran} cases (cp 2 and 4), {took:.1f} s")
             continue
         found += 1
-        what = finding.describe() if hasattr(finding, "describe") else str(finding)
-        print(f"  FAIL {ROLL_CALLERS[kind]} (minimal case, {took:.1f} s):")
-        print(f"    {what}")
+        print(f"  FAIL {ROLL_CALLERS[kind]}: {finding.impact.label} (minimal case, {took:.1f} s):")
+        print(f"    {finding.what}")
     return 1 if found else 0
 
 
-def run(spec: str, function: str | None, cases: int, seed: int, fixed: dict,
-        control: str | None, min_length: int = 1) -> int:  # fmt: skip
-    library, _, version = spec.partition("@")
-    if library == MEGATRON_CORE:
-        return run_megatron_core(version or None, function, cases, seed, fixed, control,
-                                 min_length)  # fmt: skip
+ROLL_FILE = "megatron/core/transformer/multi_token_prediction.py"
+
+
+def roll_results(kinds, cases: int, seed: int, broken: bool):
+    """(caller kind, Finding or None, cases run, seconds) of megatron-core's roll_tensor."""
+    from recipe.checks import mtp_roll
+    from recipe.launch.local import RanksFailed
+
+    for kind in kinds:
+        start = time.perf_counter()
+        try:
+            mismatch, ran = mtp_roll.check_roll(cases=cases, seed=seed, broken=broken,
+                                                cu_kind=kind)  # fmt: skip
+        except mtp_roll.PointToPointTimeout as err:  # the ranks did not fail alike: a finding
+            mismatch, ran = err, cases
+        except RanksFailed as err:
+            raise UpstreamUnavailable(f"the checker's ranks failed: {err}") from None
+        took = time.perf_counter() - start
+        if mismatch is None:
+            yield kind, None, ran, took
+            continue
+        what = mismatch.describe() if hasattr(mismatch, "describe") else str(mismatch)
+        # a roll that raises (or leaves a peer waiting) stops training; any other difference
+        # trains a real token's MTP loss on a wrong label
+        raised = not hasattr(mismatch, "describe") or " raised " in (mismatch.note or "")
+        impact = Impact.RAISES if raised else Impact.MISPLACED
+        case = {"lengths": list(getattr(mismatch, "lengths", ())),
+                "cp": getattr(mismatch, "cp_size", None), "cu_seqlens_q": kind}  # fmt: skip
+        yield kind, Finding(case, (("cu_seqlens_q", kind),), impact, what), ran, took
+
+
+def load_targets(spec: str, function: str | None) -> list[Checked]:
     library, version = parse_spec(spec)
-    targets = [t for t in LIBRARIES[library].targets if function in (None, t.name)]
+    entry = REGISTRY[library]
+    targets = [t for t in entry.targets if function in (None, t.name)]
     if not targets:
-        names = ", ".join(t.name for t in LIBRARIES[library].targets)
+        names = ", ".join(t.name for t in entry.targets)
         raise UpstreamUnavailable(
             f"{library} has no checked function {function!r}; checked: {names}"
         )
-    loaded_targets = [load(library, version, target) for target in targets]
+    return [target.load(library, entry.distribution, version) for target in targets]
+
+
+def run(spec: str, function: str | None, cases: int, seed: int, fixed: dict,
+        control: str | None, min_length: int = 1, report: Path | None = None) -> int:  # fmt: skip
+    library, _, version = spec.partition("@")
+    if library == MEGATRON_CORE:
+        if report is not None:
+            raise UpstreamUnavailable(
+                "--report: megatron-core's roll_tensor runs on real ranks; its findings have no "
+                "one-process reproducer (tests/test_upstream_roll.py pins them)"
+            )
+        return run_megatron_core(version or None, function, cases, seed, fixed, control,
+                                 min_length)  # fmt: skip
+    loaded_targets = load_targets(spec, function)
     drawn_anywhere = {name for loaded in loaded_targets for name in loaded.drawn}
     unknown = set(fixed) - drawn_anywhere
     if unknown:
@@ -209,44 +262,89 @@ def run(spec: str, function: str | None, cases: int, seed: int, fixed: dict,
             f"--fixed {', '.join(sorted(unknown))}: not a drawn option of {spec}'s checked "
             f"functions (drawn: {', '.join(sorted(drawn_anywhere)) or 'none'})"
         )
-    if control == "inverse" and not any(loaded.inverse_name for loaded in loaded_targets):
+    has_inverse = [getattr(loaded, "inverse_name", None) for loaded in loaded_targets]
+    if control == "inverse" and not any(has_inverse):
         raise UpstreamUnavailable(
             f"--control inverse: none of {spec}'s checked functions has a gathering inverse"
         )
     found = 0
-    for loaded in loaded_targets:
-        target = loaded.target
-        if control == "inverse" and not loaded.inverse_name:
+    for loaded, inverse in zip(loaded_targets, has_inverse, strict=True):
+        if control == "inverse" and not inverse:
             print(f"{loaded.label}: no gathering function, no inverse to break (skipped)")
             continue
+        line = loaded.line  # the release's: a broken copy's source is not in the file
         if control:
             loaded = loaded.broken_copy(control)
-        alias = (
-            ""
-            if loaded.function_name == target.name.split(".")[-1]
-            else (f" (named {loaded.function_name} in this release)")
-        )
-        print(
-            f"{loaded.label}{alias}{f' [broken copy: {control}]' if control else ''}: {target.file}"
-        )
-        if loaded.inverse_name:
-            print(f"  every case also round-trips a per-token tensor through {loaded.inverse_name}")
+        named = getattr(loaded, "function_name", loaded.name.split(".")[-1])
+        alias = "" if named == loaded.name.split(".")[-1] else f" (named {named} in this release)"
+        broken = f" [broken copy: {control}]" if control else ""
+        print(f"{loaded.label}{alias}{broken}: {loaded.file}:{line}")
+        for note in loaded.notes:
+            print(f"  {note}")
         for name, why in loaded.skipped.items():
             print(f"  not drawn: {name}: {why}")
-        modes = [("default options", False)]
-        if loaded.drawn:
-            modes.append((f"options drawn ({', '.join(loaded.drawn)})", True))
-        for title, drawn in modes:
-            start = time.perf_counter()
-            finding, ran = check_target(loaded, cases, seed, fixed, drawn, min_length)
-            took = time.perf_counter() - start
-            if finding is None:
-                print(f"  PASS {title}: {ran} cases on every rank, {took:.1f} s")
-            else:
-                found += 1
-                print(f"  FAIL {title} (minimal case after {ran} cases, {took:.1f} s):")
-                print(f"    {finding.describe()}")
+        for title, drawn in modes(loaded):
+            result = check_mode(loaded, title, cases, seed, fixed, drawn, min_length)
+            print_mode(result)
+            found += bool(result.findings)
+            if report is not None and not control:
+                for finding in result.findings:
+                    written = write_report(report, loaded, result.title, finding)
+                    print(f"    report: {written}")
     return 1 if found else 0
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower()
+
+
+def write_report(folder: Path, checked: Checked, mode: str, finding: Finding) -> Path:
+    """A folder per finding, ready to file upstream: README.md (title, versions, the minimal
+    case, the released file:line, the impact) and reproduce.py (torch and the wheel only)."""
+    import torch
+
+    mode_tag = "defaults" if mode.startswith("default") else "drawn"
+    where = folder / _slug(f"{checked.label}-{mode_tag}-{finding.impact.label}")
+    where.mkdir(parents=True, exist_ok=True)
+    script = checked.reproducer(finding)
+    options = " ".join(f"--fixed {k}={v}" for k, v in finding.options)
+    lines = [
+        f"# {checked.label}: {finding.impact.label} ({checked.file}:{checked.line})",
+        "",
+        f"- release: {checked.distribution} {checked.version} (PyPI wheel), file "
+        f"`{checked.file}`, function at line {checked.line}",
+        f"- checked with: Python {sys.version.split()[0]}, torch {torch.__version__}",
+        f"- mode: {mode}",
+        f"- impact: **{finding.impact.label}**",
+        f"- minimal case: `{json.dumps(finding.case)}`, options: "
+        f"`{dict(finding.options) or 'defaults'}`",
+        "",
+        "## What happens",
+        "",
+        finding.what,
+        "",
+        "## Reproduce",
+        "",
+    ]
+    if script is None:
+        lines += [
+            "No standalone reproducer for this kind of finding; the checker reproduces it:",
+            "",
+            "```bash",
+            f"python -m recipe.check_upstream {checked.library}@{checked.version} --function "
+            f"{checked.name} {options}".rstrip(),
+            "```",
+        ]
+    else:
+        (where / "reproduce.py").write_text(script)
+        lines += [
+            "```bash",
+            "pip install torch  # and the release's own imports; the script fetches the wheel",
+            "python reproduce.py            # exit 1 and the wrong slots: reproduced",
+            "```",
+        ]
+    (where / "README.md").write_text("\n".join(lines) + "\n")
+    return where
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m recipe.check_upstream", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
-        "library", help="verl, megatron-bridge or megatron-core, optionally @VERSION"
+        "library", nargs="?", help=f"one of {known()}, optionally @VERSION (or --all)"
     )
     parser.add_argument("--function", help="check only this function (as the report names it)")
     parser.add_argument("--cases", type=at_least(1), default=200, metavar="N",
@@ -268,11 +366,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control", nargs="?", const="function", choices=["function", "inverse"],
                         help="check a broken copy of each function, or of its gathering inverse "
                         "(must FAIL)")  # fmt: skip
+    parser.add_argument("--report", type=Path, metavar="DIR",
+                        help="write each finding as a folder ready to file upstream: README.md "
+                        "and a standalone reproduce.py")  # fmt: skip
+    parser.add_argument("--all", action="store_true",
+                        help="every library and release in the registry, one table (JSON and "
+                        "markdown in --out)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("outputs/upstream"), metavar="DIR",
+                        help="where --all writes upstream.json and upstream.md "
+                        "(outputs/upstream)")  # fmt: skip
+    parser.add_argument("--write-docs", action="store_true",
+                        help="with --all: also regenerate docs/upstream.json and the table in "
+                        "docs/upstream.md")  # fmt: skip
     args = parser.parse_args(argv)
     quiet_libraries()
+    if args.all == bool(args.library):
+        parser.error("name one LIBRARY[@VERSION], or --all (not both)")
+    if args.write_docs and not args.all:
+        parser.error("--write-docs regenerates the --all table: add --all")
+    if args.all and (args.function or args.fixed or args.control or args.report):
+        parser.error("--all checks every function at its defaults and drawn: drop --function, "
+                     "--fixed, --control and --report (run one library for those)")  # fmt: skip
     try:
+        if args.all:
+            from recipe.checks.upstream_table import main_all
+
+            return main_all(args.cases, args.seed, args.out, args.write_docs)
         return run(args.library, args.function, args.cases, args.seed, parse_fixed(args.fixed),
-                   args.control, args.min_length)  # fmt: skip
+                   args.control, args.min_length, args.report)  # fmt: skip
     except UpstreamUnavailable as err:
-        print(f"check_upstream: {args.library}: {err}", file=sys.stderr)
+        print(f"check_upstream: {args.library or '--all'}: {err}", file=sys.stderr)
         return 2

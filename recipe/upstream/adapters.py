@@ -17,6 +17,7 @@ unknown one refuses the check (exit 2), since a new option may change the layout
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -24,6 +25,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from recipe.parallel.cp.contract import Impact, global_batch, index_preprocess
+from recipe.upstream.checked import (
+    CheckTarget,
+    ContractChecked,
+    Finding,
+    Library,
+    function_line,
+    reproducer_source,
+)
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
 
@@ -72,8 +82,9 @@ class _GatherStandIn:
 
 
 @dataclass(frozen=True)
-class Target:
-    """One upstream function: where it lives and how it takes its input."""
+class Target(CheckTarget):
+    """One upstream function with the zigzag contract: where it lives and how it takes its
+    input."""
 
     name: str  # as the CLI and the report name it
     file: str  # inside the wheel
@@ -82,11 +93,8 @@ class Target:
     stubs: dict = field(default_factory=dict)
     inverse: tuple[str, ...] = ()  # the function that gathers a sharded output back (names)
 
-
-@dataclass(frozen=True)
-class Library:
-    distribution: str
-    targets: tuple[Target, ...]
+    def load(self, library: str, distribution: str, version: str | None) -> Loaded:
+        return load(library, version, self)
 
 
 _VERL_STUBS = {
@@ -119,6 +127,7 @@ LIBRARIES: dict[str, Library] = {
                 ("postprocess_packed_seqs",),
             ),
         ),  # fmt: skip
+        releases=("0.7.1", "0.8.0", "0.9.1"),
     ),
     "megatron-bridge": Library(
         "megatron-bridge",
@@ -138,6 +147,7 @@ LIBRARIES: dict[str, Library] = {
                 {f"{_EXAONE}.transformer_config": {}},
             ),
         ),
+        releases=("0.6.2",),
     ),
 }
 
@@ -170,22 +180,77 @@ def _packed_seq_params_has(name: str) -> bool:
 
 
 @dataclass
-class Loaded:
+class Loaded(ContractChecked):
     """A target loaded from one release: its function and the options it draws."""
 
-    library: str
-    version: str
-    target: Target
-    module: object
-    function_name: str
-    drawn: dict[str, tuple]
-    skipped: dict[str, str]
-
+    target: Target | None = None
+    module: object = None
+    function_name: str = ""
     inverse_name: str | None = None
 
     @property
     def function(self) -> Callable:
         return getattr(self.module, self.function_name)
+
+    @property
+    def line(self) -> int:
+        return function_line(self.module, self.function_name)
+
+    def finding(self, case, options: dict) -> Finding | None:
+        """The zigzag contract on every rank, then the round trip through the inverse."""
+        found = super().finding(case, options)
+        if found is not None or self.inverse_name is None:
+            return found
+        lengths, cp_size, tp_size = case
+        try:
+            problem = self.round_trip_problem(lengths, cp_size, tp_size, options)
+            impact = Impact.MISPLACED
+        except Exception as err:  # noqa: BLE001 (an upstream function raising is the finding)
+            problem = (
+                f"lengths={list(lengths)} cp={cp_size} tp={tp_size}: the round trip through "
+                f"{self.inverse_name} raises {type(err).__name__}: {err}"
+            )
+            impact = Impact.RAISES
+        if problem is None:
+            return None
+        return Finding(
+            {"lengths": list(lengths), "cp": cp_size, "tp": tp_size, "round_trip": True},
+            tuple(sorted(options.items())),
+            impact,
+            problem,
+        )
+
+    def reproducer(self, finding: Finding) -> str | None:
+        if finding.case.get("round_trip"):
+            return None  # the gather needs every rank's collective: not one standalone script
+        helpers = [_nested, _label_mask, _padded_rows]
+        helpers.append(_thd_fields if self.target.style == "thd" else _bshd_fields)
+        body = "\n\n".join(inspect.getsource(h) for h in helpers)
+        body = body.replace(
+            "_thd_fields" if self.target.style == "thd" else "_bshd_fields", "fields"
+        )
+        head = REPRODUCER_CALL.format(
+            stubs=dict(self.target.stubs), file=self.file, function=self.function_name
+        )
+        title = (
+            f"{self.label} ({self.file}:{self.line}): {finding.impact.label} on "
+            f"{_case_text(finding.case)}"
+        )
+        return reproducer_source(title, finding, head + "\n\n" + body + "\n\n" +
+                                 ZIGZAG_PROBLEMS, self.distribution, self.version)  # fmt: skip
+
+    def truth_outputs(self, finding: Finding) -> list[dict]:
+        """Every rank's fields from the ground truth (the recipe's index) on the case."""
+        lengths, cp, tp = finding.case["lengths"], finding.case["cp"], finding.case["tp"]
+        stride = max(lengths) + 1
+        sequences = [torch.arange(n) + 1 + stride * i for i, n in enumerate(lengths)]
+        batch = global_batch([s.tolist() for s in sequences], cp, tp)
+        outputs = []
+        for rank in range(cp):
+            got = index_preprocess(sequences, batch.cu_seqlens_padded, cp, rank, tp)
+            outputs.append({k: v.tolist() for k, v in got.items()})
+            outputs[-1]["cu_seqlens_padded"] = batch.cu_seqlens_padded.tolist()
+        return outputs
 
     def round_trip_problem(self, lengths, cp_size: int, tp_size: int, options: dict) -> str | None:
         """Shard a per-token tensor on every rank, gather it back through the library's own
@@ -283,8 +348,7 @@ class Loaded:
                     )
                 source = source.replace(line, line + " + 1")
             exec(source, vars(broken))  # noqa: S102 (the release's own source, or our mutation)
-        return Loaded(self.library, self.version, self.target, broken, self.function_name,
-                      self.drawn, self.skipped, self.inverse_name)  # fmt: skip
+        return dataclasses.replace(self, module=broken)
 
 
 def _check_true_rank(label: str, parallel_state, cp_size: int, cp_rank: int, tp_size: int):
@@ -387,7 +451,23 @@ def load(library: str, version: str | None, target: Target) -> Loaded:
         raise UpstreamUnavailable(
             f"{library}@{version} has none of {', '.join(target.inverse)} in {target.file}"
         )
-    return Loaded(library, version, target, module, name, drawn, skipped, inverse)
+    notes = (
+        (f"every case also round-trips a per-token tensor through {inverse}",) if inverse else ()
+    )
+    return Loaded(
+        library,
+        version,
+        target.name,
+        LIBRARIES[library].distribution,
+        target.file,
+        drawn,
+        skipped,
+        notes,
+        target=target,
+        module=module,
+        function_name=name,
+        inverse_name=inverse,
+    )
 
 
 def _head(values: torch.Tensor, shown: int = 6) -> str:
@@ -453,3 +533,112 @@ def _bshd_fields(function: Callable, sequences, options: dict) -> dict:
         **fields,
         "cu_seqlens_padded": sharded["input_ids"][1].cu_seqlens_q_padded,
     }
+
+
+def _case_text(case: dict) -> str:
+    return f"lengths={case['lengths']} cp={case['cp']} tp={case['tp']}"
+
+
+# The reproducer's call of a zigzag-contract function: every rank played in one process, the
+# function reading its rank from a stand-in for megatron's parallel_state, as in the checker.
+REPRODUCER_CALL = """
+import torch
+
+STUBS = {stubs!r}
+FILE = {file!r}
+FUNCTION = {function!r}
+
+
+class ParallelState:
+    \"\"\"What the function reads of megatron's parallel_state, for one rank.\"\"\"
+
+    def __init__(self, cp_size, cp_rank, tp_size):
+        self.cp_size, self.cp_rank, self.tp_size = cp_size, cp_rank, tp_size
+
+    def get_context_parallel_world_size(self):
+        return self.cp_size
+
+    def get_context_parallel_rank(self):
+        return self.cp_rank
+
+    def get_tensor_model_parallel_world_size(self):
+        return self.tp_size
+
+    def get_context_parallel_group(self):
+        return None
+
+
+def case_sequences():
+    \"\"\"The case's sequences, token ids unique over the batch (0 is padding).\"\"\"
+    stride = max(CASE["lengths"]) + 1
+    return [[1 + stride * i + j for j in range(n)] for i, n in enumerate(CASE["lengths"])]
+
+
+def release_outputs(wheel):
+    \"\"\"Every rank's input_ids, position_ids, labels, loss_mask and cu_seqlens_padded.\"\"\"
+    module = load_from_wheel(wheel, FILE, STUBS)
+    logger = getattr(module, "logger", None)
+    if logger is not None and not hasattr(logger, "warning_once"):
+        logger.warning_once = logger.debug  # the package's __init__ (not run) adds it
+    function = getattr(module, FUNCTION)
+    sequences = [torch.tensor(s) for s in case_sequences()]
+    outputs = []
+    for rank in range(CASE["cp"]):
+        module.mpu = ParallelState(CASE["cp"], rank, CASE["tp"])
+        got = fields(function, sequences, dict(OPTIONS))
+        outputs.append({{k: v.tolist() for k, v in got.items()}})
+    return outputs
+"""
+
+# The reproducer's ground truth, written out on its own (it imports nothing of the recipe).
+ZIGZAG_PROBLEMS = """
+def problems(outputs):
+    \"\"\"What differs from zigzag CP: every real token on exactly one rank, rank r holding
+    chunks r and 2*cp-1-r of every sequence padded to a multiple of 2*cp, at its own slot, with
+    its position, the next token of its own sequence as its label, and loss weight 1 where such a
+    label exists; padding never weighted.\"\"\"
+    cp = CASE["cp"]
+    sequences = case_sequences()
+    where = {t: (i, p) for i, s in enumerate(sequences) for p, t in enumerate(s)}
+    found, seen = [], {}
+    for rank, out in enumerate(outputs):
+        for slot, token in enumerate(out["input_ids"]):
+            if token not in where:
+                if out.get("loss_mask") and out["loss_mask"][slot]:
+                    found.append(f"rank {rank} slot {slot}: padding has loss mask 1")
+                continue
+            seen.setdefault(token, []).append((rank, slot))
+            i, p = where[token]
+            n = len(sequences[i])
+            want = {"position_ids": p, "loss_mask": int(p + 1 < n)}
+            if p + 1 < n:
+                want["labels"] = sequences[i][p + 1]
+            for name, value in want.items():
+                if name in out and out[name][slot] != value:
+                    found.append(f"rank {rank} slot {slot} (sequence {i}, position {p}): "
+                                 f"{name} is {out[name][slot]}, should be {value}")
+    cu = outputs[0]["cu_seqlens_padded"]
+    for token, (i, p) in where.items():
+        places = seen.get(token, [])
+        if not places:
+            found.append(f"sequence {i} position {p} (token {token}) is on no rank")
+            continue
+        if len(places) > 1:
+            found.append(f"sequence {i} position {p} is on ranks {[r for r, _ in places]}")
+        padded = cu[i + 1] - cu[i]
+        if padded % (2 * cp):
+            continue  # reported once per sequence below
+        chunk = padded // (2 * cp)
+        c = p // chunk
+        rank = c if c < cp else 2 * cp - 1 - c
+        slot = cu[i] // cp + p - c * chunk + (0 if c < cp else chunk)
+        if places[0] != (rank, slot):
+            found.append(f"sequence {i} position {p} is at rank {places[0][0]} slot "
+                         f"{places[0][1]}, zigzag puts it at rank {rank} slot {slot}")
+    for i in range(len(sequences)):
+        padded = cu[i + 1] - cu[i]
+        if padded % (2 * cp):
+            found.append(f"sequence {i} is padded to {padded}, not a multiple of 2*cp={2 * cp}: "
+                         "zigzag CP cannot split it into whole chunks")
+    return found
+"""

@@ -1,0 +1,254 @@
+"""What the checked functions outside `adapters.py` share: the stand-ins for the collectives and
+process groups they call, the broken copy (one line of the release's source changed), the worst of
+several findings, and the reproducers' own reference of the zigzag and contiguous layouts.
+
+A reproducer must run with torch and the wheel alone, so it cannot call the recipe's ground truth;
+`REFERENCE` is a second, independent statement of the two layouts in plain Python (slot by slot,
+no index tensors) that each reproducer embeds, and `truth_outputs` builds what a correct function
+returns from the recipe's own ground truth (`contract.global_batch` + `zigzag.zigzag_index`), so
+`problems(truth_outputs(...)) == []` checks the two against each other.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from recipe.parallel.cp.contract import global_batch
+from recipe.parallel.cp.zigzag import zigzag_index
+from recipe.upstream.checked import Finding
+from recipe.upstream.source import UpstreamUnavailable
+
+FIELDS = ("input_ids", "position_ids", "labels", "loss_mask")
+
+
+def worst(*findings: Finding | None) -> Finding | None:
+    """The finding with the worst impact (the first of equals), or None."""
+    present = [f for f in findings if f is not None]
+    return max(present, key=lambda f: f.impact) if present else None
+
+
+def token_ids(lengths) -> list[list[int]]:
+    """The token ids the contract gives these lengths (`contract.assess` draws them the same
+    way): unique over the batch, 0 left for padding."""
+    stride = max(lengths) + 1
+    return [[1 + stride * i + p for p in range(n)] for i, n in enumerate(lengths)]
+
+
+def round_trip_values(lengths, width: int | None) -> list[torch.Tensor]:
+    """A per-token float tensor to shard and gather back: unique per token (and per column when
+    `width` gives the output a trailing dimension), exactly representable."""
+    stride = max(lengths) + 1
+    values = []
+    for i, n in enumerate(lengths):
+        column = torch.arange(n, dtype=torch.float64) + 1 + stride * i
+        if width is not None:
+            column = column[:, None] + 0.25 * torch.arange(width, dtype=torch.float64)
+        values.append(column)
+    return values
+
+
+class GroupStandIn:
+    """A process group as Bridge's code asks it: its size and this rank."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+class _Distributed:
+    def __init__(self, owner: CollectivesStandIn):
+        self._owner = owner
+
+    def all_gather(self, outputs: list, tensor, group=None) -> None:
+        self._owner.gather(outputs, tensor)
+
+    def get_world_size(self, group=None) -> int:
+        return group.size()
+
+    def get_rank(self, group=None) -> int:
+        return group.rank()
+
+    def __getattr__(self, name: str):
+        return getattr(torch.distributed, name)
+
+
+class CollectivesStandIn:
+    """`torch` as a loaded module sees it while one process plays every rank: `all_gather` of a
+    tensor this rank produced hands back every rank's tensor of the same name, and
+    `get_world_size`/`get_rank` answer from the group stand-in."""
+
+    def __init__(self, per_rank: list[dict[str, torch.Tensor]] | None = None):
+        self.distributed = _Distributed(self)
+        self.per_rank = per_rank or []
+        self.rank = 0
+
+    def gather(self, outputs: list, tensor) -> None:
+        mine = self.per_rank[self.rank]
+        name = next((k for k, v in mine.items() if v.data_ptr() == tensor.data_ptr()), None)
+        if name is None:
+            raise RuntimeError(
+                "all_gather of a tensor no rank produced: the stand-in cannot play it"
+            )
+        for out, theirs in zip(outputs, (ranks[name] for ranks in self.per_rank), strict=True):
+            out.copy_(theirs)
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def mutated_copy(module, names: tuple[str, ...], target: str | None, line: str, replacement: str,
+                 label: str, overrides: dict | None = None):  # fmt: skip
+    """A copy of `module` whose functions `names` are re-executed from their released source in
+    the copy's namespace (after `overrides` are set in it), `line` of `target` replaced by
+    `replacement` (the negative control; target None changes no line). Raises
+    UpstreamUnavailable when the line is no longer in the release."""
+    broken = type(module)(module.__name__ + "_broken")
+    vars(broken).update({k: v for k, v in vars(module).items() if k != "__name__"})
+    vars(broken).update(overrides or {})
+    for name in names:
+        source = inspect.getsource(getattr(module, name))
+        if name == target:
+            if line not in source:
+                raise UpstreamUnavailable(
+                    f"{label}: the negative control's line `{line}` is not in this release's "
+                    f"{name}; the checker must learn its new shape"
+                )
+            source = source.replace(line, replacement)
+        exec(source, vars(broken))  # noqa: S102 (the release's own source, or our one-line change)
+    return broken
+
+
+def truth_outputs(lengths, cp: int, tp: int, fields=FIELDS, *, layout: str = "zigzag",
+                  attention_mask: bool = False, width: int | None = None,
+                  round_trip: bool = False) -> dict:  # fmt: skip
+    """What a correct function gives in the reproducers' structure, from the recipe's ground
+    truth: the sequences padded to 2*cp*tp, each rank's slots by the zigzag index (or the
+    consecutive slice for the contiguous layout)."""
+    batch = global_batch(token_ids(lengths), cp, tp)
+    cu = batch.cu_seqlens_padded
+    ranks = []
+    for rank in range(cp):
+        if layout == "zigzag":
+            index = zigzag_index(cu, cp, rank)
+        else:
+            width_of_rank = int(cu[-1]) // cp
+            index = torch.arange(rank * width_of_rank, (rank + 1) * width_of_rank)
+        got = {name: getattr(batch, name).index_select(0, index).tolist() for name in fields}
+        if attention_mask:
+            got["attention_mask"] = (batch.input_ids.index_select(0, index) != 0).int().tolist()
+        ranks.append(got)
+    return {
+        "lengths": list(lengths),
+        "cp": cp,
+        "layout": layout,
+        "cu_seqlens_padded": cu.tolist(),
+        "ranks": ranks,
+        "round_trip": [[v.tolist() for v in round_trip_values(lengths, width)] for _ in range(cp)]
+        if round_trip
+        else None,
+        "width": width,
+        "error": None,
+    }
+
+
+# The reproducers' reference: `problems(outputs)` for the structure `truth_outputs` builds.
+REFERENCE = '''
+def _sequences(lengths):
+    stride = max(lengths) + 1
+    return [[1 + stride * i + p for p in range(n)] for i, n in enumerate(lengths)]
+
+
+def _values(lengths, width):
+    stride = max(lengths) + 1
+    rows = []
+    for i, n in enumerate(lengths):
+        base = [1.0 + p + stride * i for p in range(n)]
+        rows.append(base if width is None else [[b + 0.25 * c for c in range(width)] for b in base])
+    return rows
+
+
+def _zigzag_slot(cu, cp, rank, slot):
+    """(sequence, position) of local `slot` on `rank`: chunks rank and 2*cp-1-rank of every
+    sequence, sequence i's slots from cu[i] // cp; None past the last sequence."""
+    for i in range(len(cu) - 1):
+        size = cu[i + 1] - cu[i]
+        start, half = cu[i] // cp, size // (2 * cp)
+        k = slot - start
+        if 0 <= k < 2 * half:
+            return i, (rank * half + k if k < half else size - (rank + 1) * half + k - half)
+    return None
+
+
+def _contiguous_slot(cu, width, rank, slot):
+    """(sequence, position) of local `slot` on `rank` when rank r holds global slots
+    [r * width, (r + 1) * width); None past the last sequence."""
+    g = rank * width + slot
+    for i in range(len(cu) - 1):
+        if cu[i] <= g < cu[i + 1]:
+            return i, g - cu[i]
+    return None
+
+
+def problems(outputs):
+    """What differs from the layout: each real token once, with its position, next-token
+    label and loss weight; padding never weighted; the mask and the round trip if given."""
+    if outputs.get("error"):
+        return ["raises: " + outputs["error"]]
+    lengths, cp, cu = outputs["lengths"], outputs["cp"], outputs["cu_seqlens_padded"]
+    zigzag = outputs["layout"] == "zigzag"
+    if len(cu) != len(lengths) + 1 or cu[0] != 0:
+        return [f"cu_seqlens_padded {cu} does not describe {len(lengths)} sequences"]
+    found = []
+    for i, n in enumerate(lengths):
+        size = cu[i + 1] - cu[i]
+        if size < n:
+            found.append(f"sequence {i} has {n} tokens but {size} slots")
+        elif zigzag and size % (2 * cp):
+            found.append(f"sequence {i}'s padded length {size} is not a multiple of 2*cp={2 * cp}: "
+                         "the zigzag chunks cannot split it")
+    if found:
+        return found
+    sequences, seen = _sequences(lengths), {}
+    for rank, fields in enumerate(outputs["ranks"]):
+        width = len(fields["input_ids"])
+        for slot in range(width):
+            where = (_zigzag_slot(cu, cp, rank, slot) if zigzag
+                     else _contiguous_slot(cu, width, rank, slot))
+            real = where is not None and where[1] < lengths[where[0]]
+            want = {"loss_mask": 0}
+            if real:
+                i, p = where
+                n = lengths[i]
+                seen.setdefault(where, []).append(rank)
+                want = {"input_ids": sequences[i][p], "position_ids": p,
+                        "loss_mask": int(p + 1 < n)}
+                if p + 1 < n:
+                    want["labels"] = sequences[i][p + 1]
+            if "attention_mask" in fields:
+                want["attention_mask"] = int(real)
+            text = (f"sequence {where[0]}, position {where[1]}" if where
+                    else "past the last sequence")
+            for name, value in want.items():
+                if name in fields and fields[name][slot] != value:
+                    found.append(f"rank {rank}, local slot {slot} ({text}): {name} expected "
+                                 f"{value}, got {fields[name][slot]}")
+    missing = [(i, p) for i, n in enumerate(lengths) for p in range(n) if (i, p) not in seen]
+    if missing:
+        found.append(f"{len(missing)} real tokens on no rank, first: sequence {missing[0][0]} "
+                     f"position {missing[0][1]}")
+    found += [f"sequence {i} position {p} on ranks {r}" for (i, p), r in seen.items() if len(r) > 1]
+    want = _values(lengths, outputs.get("width"))
+    for rank, back in enumerate(outputs.get("round_trip") or []):
+        for i, (w, g) in enumerate(zip(want, back, strict=True)):
+            if w != g:
+                found.append(f"rank {rank}: the round trip gives sequence {i} back as {g[:6]}, "
+                             f"sharded from {w[:6]}")
+    return found[:12]
+'''

@@ -1,0 +1,369 @@
+"""NeMo Automodel (PyPI `nemo-automodel`): its THD packer and its MTP shift before CP, read from
+the released wheel by path and checked against the ground truth of `nemo_automodel_truth.py`.
+
+Neither function is a per-rank CP function, so neither fits the zigzag contract: each has its own
+reference, written without the library (`nemo_automodel_truth.py`, which every reproducer embeds).
+
+`pack_dataset` (`nemo_automodel/components/datasets/llm/packed_sequence.py`) packs tokenized
+samples into fixed-length rows for the THD path (`ThdPackingConfig.build` in
+`components/datasets/loader.py` calls it with the CP size; `packed_sequence_thd_collater` stacks the
+rows). Its samples' `labels` are already shifted (the dataset's convention: the label of position
+p is the next token), so the truth is that each sample's labels travel with its tokens, -100 where
+the sample's `loss_mask` is 0. A case is (lengths, cp 1/2/4/8, pack size); the pack size is drawn
+both aligned to 2*cp and not, since the function takes any size. The truth refuses a pack size
+that is not a multiple of lcm(2*cp, pad_to_multiple_of): fixed-length packs could not keep every
+span a multiple of 2*cp. A release that raises there is right; one that packs is judged against
+the packing a correct packer would build if it went on.
+- drawn: `max_packs` (None, 1, 2, 3), `padding_idx` (0, or an id no token or label has: a padding
+  slot is told by its token id), `drop_long_samples`, `pad_to_multiple_of` (1, 2, 3, 8; the
+  function refuses a pack size it does not divide, and so does the truth); and two options of the
+  input: `input_form` (an HF `datasets.Dataset`, what the loader passes, or a list of dicts, which
+  the signature also accepts) and `loss_mask` (samples with a `loss_mask` column, 0 on their first
+  third, or none).
+- fixed: `split` = None (it only picks an entry of a `DatasetDict`; the case is a `Dataset`);
+  `dataset`, `packed_sequence_size` and `cp_size` are the case.
+- stubs: none. The file imports torch and `datasets` (installed here; `Dataset.from_dict` builds
+  its result) and nothing else.
+
+`prepare_mtp_context_parallel_inputs` (`nemo_automodel/components/models/common/mtp/mtp.py`)
+shifts each MTP depth's token ids, positions, targets and valid masks on the unsharded batch; the
+recipes then shard every result with the CP sharder (`recipes/llm/train_ft.py`,
+`_forward_backward_step`). A case is (lengths, cp 2/4/8): the documents packed as
+`pack_dataset` packs them (each padded to a multiple of 2*cp, a row's last document absorbing
+the row's tail), labels the next token, padding labels the ignore index. The truth is checked on
+every slot, named by its rank and local slot in the zigzag split the THD sharder applies.
+- drawn: `num_depths` (1-4; it has no default: the default mode uses 1, DeepSeek-V3's one
+  MTP module), `ignore_index` (-100, -1; the batch's padding labels use it too, as the loss's own
+  ignore index must); and options of the batch: `rows` (1 or 2 packs stacked), `boundaries` (how
+  the batch says where documents are: `seq_lens_padded` [rows, documents] with -1000 sentinels,
+  as `packed_sequence_thd_collater` makes it; `cu_seqlens_padded`, one row; `seq_idx`, a span id
+  per slot; `_packed_seq_ids`, NEAT's document ids with 0 on padding) and `positions` (per row, as
+  the collater gives them; shared [1, S]; M-RoPE [3, rows, S]; or none, which the function
+  materializes as 0..S-1 for the main model and MTP alike).
+- fixed: `batch` is the case. Real offsets (`cu_seqlens`) are not drawn: they describe an
+  unpadded stream only, and the function refuses them on a padded one (a documented ValueError),
+  while a CP stream is padded.
+- stubs: none (the file imports only torch).
+
+Negative controls (one line of the release's own source, mutated): the packer pads each sample
+one token more than the span `_pad_pack` records (`cp_padding_amount + 1`); the MTP shift compares
+each slot's document id with that of the slot `depth - 1` ahead instead of `depth` ahead
+(`torch.roll(seq_idx, shifts=-depth + 1, ...)`), so a target crosses into the next document.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import inspect
+import sys
+import types
+from dataclasses import dataclass, field
+
+from recipe.parallel.cp.contract import Impact
+from recipe.upstream import nemo_automodel_truth as truth
+from recipe.upstream.checked import (
+    Checked,
+    CheckTarget,
+    Finding,
+    Library,
+    function_line,
+    reproducer_source,
+)
+from recipe.upstream.source import UpstreamUnavailable, source_file
+
+DISTRIBUTION = "nemo-automodel"
+PACKER_FILE = "nemo_automodel/components/datasets/llm/packed_sequence.py"
+MTP_FILE = "nemo_automodel/components/models/common/mtp/mtp.py"
+
+PACKER_DRAWN = {
+    "max_packs": (None, 1, 2, 3),
+    "padding_idx": (0, truth.FAR_PADDING_ID),
+    "drop_long_samples": (True, False),
+    "pad_to_multiple_of": (1, 2, 3, 8),
+}
+PACKER_INPUT = {"input_form": ("hf_dataset", "list"), "loss_mask": (False, True)}
+PACKER_FIXED = {
+    "dataset": "the case's documents (input_form: an HF Dataset or a list of dicts)",
+    "split": "None: it only picks an entry of a DatasetDict, and the case is a Dataset",
+    "packed_sequence_size": "part of the case (drawn with the lengths, aligned to 2*cp or not)",
+    "cp_size": "part of the case (1, 2, 4, 8)",
+}
+MTP_DRAWN = {"num_depths": (1, 2, 3, 4), "ignore_index": (-100, -1)}
+MTP_INPUT = {
+    "rows": (1, 2),
+    "boundaries": ("seq_lens_padded", "cu_seqlens_padded", "seq_idx", "_packed_seq_ids"),
+    "positions": ("per_row", "shared", "mrope", "none"),
+}
+MTP_FIXED = {
+    "batch": "the case's packed rows, with the drawn boundary metadata and positions; real "
+    "offsets (cu_seqlens) are not drawn: the function refuses them on a padded stream",
+}
+
+# The negative controls: (function, the line as released, the line broken).
+PACKER_MUTATION = (
+    "pack_dataset",
+    "cp_padding_amount = cp_padded_len - seq_len",
+    "cp_padding_amount = cp_padded_len - seq_len + 1",
+)
+MTP_MUTATION = (
+    "shift_packed_tensor",
+    "shifted_seq_idx = torch.roll(seq_idx, shifts=-depth, dims=1)",
+    "shifted_seq_idx = torch.roll(seq_idx, shifts=-depth + 1, dims=1)",
+)
+
+
+def check_signature(function, label: str, fixed: dict, drawn: dict) -> None:
+    """Every option of the signature is fixed or drawn; another one refuses the check (it may
+    change the layout)."""
+    for name in inspect.signature(function).parameters:
+        if name not in fixed and name not in drawn:
+            raise UpstreamUnavailable(
+                f"{label} has an option the adapter does not know: {name!r}. It may change the "
+                "layout, so the check stops; teach recipe/upstream/nemo_automodel.py what it does "
+                "(draw it or fix it with a reason)"
+            )
+
+
+def load_registered(path, name: str) -> types.ModuleType:
+    """Execute the file at `path` as module `name`, registered in sys.modules (`source.load_module`
+    does not register it, and the MTP file's frozen dataclass, under `from __future__ import
+    annotations`, looks its module up there while the class is made)."""
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+    sys.modules[name] = module
+    try:
+        loader.exec_module(module)
+    except ImportError as err:
+        sys.modules.pop(name, None)
+        raise UpstreamUnavailable(
+            f"{path.name} needs {err.name or err} to load ({err}); install it in this environment"
+        ) from None
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+# The reproducer's loader: the prelude's load_from_wheel, with the module registered while it runs
+# (see load_registered); the released files need no stubs.
+_REPRODUCER_LOADER = """
+
+def load_release(wheel, relative):
+    folder = Path(tempfile.mkdtemp(prefix="repro-src-"))
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extract(relative, folder)
+    name = "released_" + Path(relative).stem
+    loader = importlib.machinery.SourceFileLoader(name, str(folder / relative))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+    sys.modules[name] = module
+    loader.exec_module(module)
+    return module
+"""
+
+
+def _lengths(draw, unit: int, min_length: int, max_sequences: int = 12, max_length: int = 400):
+    """Lengths as `contract.micro_batches` draws them: 1, below the zigzag unit, k*unit-1,
+    k*unit, k*unit+1, or any up to max_length."""
+    from hypothesis import strategies as st
+
+    length = st.one_of(
+        st.just(1),
+        st.integers(1, unit - 1),
+        st.tuples(st.integers(1, 6), st.sampled_from([-1, 0, 1])).map(
+            lambda kd: max(1, kd[0] * unit + kd[1])
+        ),
+        st.integers(1, max_length),
+    )
+    return draw(
+        st.lists(length.map(lambda n: max(n, min_length)), min_size=1, max_size=max_sequences)
+    )
+
+
+def _mutated_copy(module: types.ModuleType, label: str, mutation: tuple, calls: tuple):
+    """A copy of `module` whose `mutation[0]` has one line changed; the functions in `calls`
+    (which call it) are executed in the copy too, so they reach the broken one."""
+    name, line, broken_line = mutation
+    source = inspect.getsource(getattr(module, name))
+    if line not in source:
+        raise UpstreamUnavailable(
+            f"{label}: the negative control's line `{line}` is not in this release's {name}; "
+            "the adapter must learn its new shape"
+        )
+    copy = types.ModuleType(module.__name__ + "_broken")
+    vars(copy).update({k: v for k, v in vars(module).items() if k != "__name__"})
+    exec(source.replace(line, broken_line, 1), vars(copy))  # noqa: S102 (the release's own code)
+    for caller in calls:
+        exec(inspect.getsource(getattr(module, caller)), vars(copy))  # noqa: S102
+    return copy
+
+
+@dataclass
+class _Released(Checked):
+    """One function of the release, loaded by path, with the line of its `def` there."""
+
+    module: types.ModuleType | None = None
+    function_name: str = ""
+    def_line: int = 0
+    broken: bool = False
+
+    @property
+    def line(self) -> int:
+        return self.def_line
+
+    def _finding(self, case: dict, options: dict, problems: list, head: str) -> Finding | None:
+        if not problems:
+            return None
+        impact, what = max(problems, key=lambda p: p[0])  # the first of the worst class
+        return Finding(case, tuple(sorted(options.items())), Impact(impact), f"{head}: {what}")
+
+    def _reproducer(self, finding: Finding, title: str, call: str, check: str) -> str:
+        body = (
+            inspect.getsource(truth)
+            + _REPRODUCER_LOADER
+            + f"\n\nRELATIVE = {self.file!r}\nFUNCTION = {self.function_name!r}\n\n\n"
+            "def release_outputs(wheel):\n"
+            "    module = load_release(wheel, RELATIVE)\n"
+            f"    return {call}(module, FUNCTION, CASE, OPTIONS)\n\n\n"
+            "def problems(outputs):\n"
+            f"    found = sorted({check}(CASE, OPTIONS, outputs), key=lambda p: -p[0])\n"
+            '    names = {1: "padding only", 2: "raises", 3: "real tokens misplaced", '
+            '4: "real tokens lost"}\n'
+            '    return [f"[{names[impact]}] {what}" for impact, what in found]\n'
+        )
+        return reproducer_source(title, finding, body, self.distribution, self.version)
+
+
+@dataclass
+class PackDatasetChecked(_Released):
+    def cases(self, min_length: int = 1):
+        from hypothesis import strategies as st
+
+        @st.composite
+        def draw(draw):
+            cp = draw(st.sampled_from([1, 2, 4, 8]))
+            unit = 2 * cp if cp > 1 else 2
+            lengths = _lengths(draw, unit, min_length)
+            raw = draw(
+                st.one_of(
+                    st.just(max(lengths)),
+                    st.integers(1, max(8, 2 * max(lengths))),
+                    st.integers(1, sum(lengths) + unit),
+                )
+            )
+            aligned = draw(st.booleans())
+            size = -(-raw // unit) * unit if aligned and cp > 1 else raw
+            return {"lengths": lengths, "cp": cp, "pack_size": size}
+
+        return draw()
+
+    def finding(self, case, options: dict) -> Finding | None:
+        case = dict(case)
+        outputs = truth.call_packer(self.module, self.function_name, case, options)
+        problems = truth.pack_problems(case, options, outputs)
+        head = f"lengths={case['lengths']} cp={case['cp']} pack_size={case['pack_size']}"
+        return self._finding(case, options, problems, head)
+
+    def broken_copy(self, part: str = "function") -> PackDatasetChecked:
+        if part != "function":
+            raise UpstreamUnavailable(f"{self.label} has no {part} to break")
+        copy = _mutated_copy(self.module, self.label, PACKER_MUTATION, ())
+        return PackDatasetChecked(self.library, self.version, self.name, self.distribution,
+                                  self.file, self.drawn, self.skipped, self.notes, copy,
+                                  self.function_name, self.def_line, True)  # fmt: skip
+
+    def reproducer(self, finding: Finding) -> str:
+        title = (
+            f"NeMo Automodel {self.version} {self.function_name} ({self.file}:{self.line}) on "
+            "one case (the released file imports `datasets`: needs it besides torch)"
+        )
+        return self._reproducer(finding, title, "call_packer", "pack_problems")
+
+    def truth_outputs(self, finding: Finding):
+        return truth.truth_packs(finding.case, dict(finding.options))
+
+
+@dataclass
+class MTPShiftChecked(_Released):
+    def cases(self, min_length: int = 1):
+        from hypothesis import strategies as st
+
+        @st.composite
+        def draw(draw):
+            cp = draw(st.sampled_from([2, 4, 8]))
+            return {"lengths": _lengths(draw, 2 * cp, min_length), "cp": cp}
+
+        return draw()
+
+    def finding(self, case, options: dict) -> Finding | None:
+        case = dict(case)
+        outputs = truth.call_mtp(self.module, self.function_name, case, options)
+        problems = truth.mtp_problems(case, options, outputs)
+        return self._finding(case, options, problems, f"lengths={case['lengths']} cp={case['cp']}")
+
+    def broken_copy(self, part: str = "function") -> MTPShiftChecked:
+        if part != "function":
+            raise UpstreamUnavailable(f"{self.label} has no {part} to break")
+        copy = _mutated_copy(self.module, self.label, MTP_MUTATION, (self.function_name,))
+        return MTPShiftChecked(self.library, self.version, self.name, self.distribution,
+                               self.file, self.drawn, self.skipped, self.notes, copy,
+                               self.function_name, self.def_line, True)  # fmt: skip
+
+    def reproducer(self, finding: Finding) -> str:
+        title = f"NeMo Automodel {self.version} {self.function_name} ({self.file}:{self.line})"
+        return self._reproducer(finding, title, "call_mtp", "mtp_problems")
+
+    def truth_outputs(self, finding: Finding):
+        return truth.truth_mtp(finding.case, dict(finding.options))
+
+
+@dataclass(frozen=True)
+class _Target(CheckTarget):
+    name: str
+    file: str
+    checked: type
+    fixed: dict = field(default_factory=dict)
+    drawn: dict = field(default_factory=dict)
+    inputs: dict = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def load(self, library: str, distribution: str, version: str | None) -> Checked:
+        path, version = source_file(distribution, version, self.file)
+        tag = f"{library}_{version}_{self.name}".replace(".", "_").replace("-", "_")
+        module = load_registered(path, f"recipe_upstream_{tag}")
+        function = getattr(module, self.name, None)
+        if not callable(function):
+            raise UpstreamUnavailable(f"{library}@{version} has no {self.name} in {self.file}")
+        label = f"{library}@{version} {self.name}"
+        check_signature(function, label, self.fixed, self.drawn)
+        return self.checked(library, version, self.name, distribution, self.file,
+                            {**self.drawn, **self.inputs}, dict(self.fixed), self.notes, module,
+                            self.name, function_line(module, self.name))  # fmt: skip
+
+
+PACK_DATASET = _Target(
+    "pack_dataset",
+    PACKER_FILE,
+    PackDatasetChecked,
+    PACKER_FIXED,
+    PACKER_DRAWN,
+    PACKER_INPUT,
+    (
+        "a packer, not a per-rank function: every real token in one pack, at its position, with "
+        "its label; padding labels -100; each document's span a multiple of 2*cp",
+    ),
+)
+MTP_SHIFT = _Target(
+    "prepare_mtp_context_parallel_inputs",
+    MTP_FILE,
+    MTPShiftChecked,
+    MTP_FIXED,
+    MTP_DRAWN,
+    MTP_INPUT,
+    (
+        "the MTP shift of the unsharded batch: each depth's target the label p + depth of the same "
+        "document, never across one, on every rank of the zigzag split",
+    ),
+)
+
+LIBRARY = Library(DISTRIBUTION, (PACK_DATASET, MTP_SHIFT), releases=("0.7.0",))
