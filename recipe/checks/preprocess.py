@@ -7,6 +7,11 @@ each; on a difference it shrinks the case to a minimal one and prints it: length
 slot, field, expected and got. Exit 1 on a failure, 0 with the number of cases checked, 2 when
 the function cannot be loaded or `--cases` is below 1. The contract is in
 `recipe/parallel/cp/contract.py`.
+
+`python -m recipe.check_preprocess --mutants [--cases N] [--seed S]` runs the same search on each
+broken copy of the contract function in `recipe/checks/mutants.py` and prints CAUGHT or MISSED
+with the minimal case, then the mutation score: exit 0 when every mutant is caught, 1 when one is
+missed, 2 when a function is given as well.
 """
 
 from __future__ import annotations
@@ -16,38 +21,19 @@ import sys
 import time
 
 from recipe.checks.arguments import at_least
-from recipe.parallel.cp.contract import ContractError, Mismatch, first_mismatch, load_function
+from recipe.parallel.cp.contract import (
+    ContractError,
+    Mismatch,
+    first_mismatch,
+    load_function,
+    micro_batches,
+)
 
 
 class _Failed(Exception):
     def __init__(self, mismatch):
         super().__init__(mismatch.describe())
         self.mismatch = mismatch
-
-
-def micro_batches(max_sequences: int = 12, max_length: int = 400, min_length: int = 1):
-    """(lengths, cp, tp) of the micro-batches the checker draws (every sequence at least
-    `min_length` tokens: a way past a finding on short sequences to what else there is)."""
-    from hypothesis import strategies as st
-
-    @st.composite
-    def draw(draw):
-        cp = draw(st.sampled_from([2, 4, 8]))
-        tp = draw(st.sampled_from([1, 2]))
-        unit = 2 * cp
-        length = st.one_of(
-            st.just(1),
-            st.integers(1, unit - 1),
-            st.tuples(st.integers(1, 6), st.sampled_from([-1, 0, 1])).map(
-                lambda kd: kd[0] * unit + kd[1]
-            ),
-            st.integers(1, max_length),
-        )
-        length = length.map(lambda n: max(n, min_length))
-        lengths = draw(st.lists(length, min_size=1, max_size=max_sequences))
-        return lengths, cp, tp
-
-    return draw()
 
 
 def search(strategy, case_mismatch, cases: int, seed: int) -> tuple[object | None, int]:
@@ -90,11 +76,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m recipe.check_preprocess", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("function", help="package.module:function, or index/verl_fixed/verl_legacy")
-    parser.add_argument("--cases", type=at_least(1), default=1000, metavar="N",
-                        help="micro-batches to draw, 1 or more (1000)")  # fmt: skip
+    parser.add_argument(
+        "function", nargs="?", help="package.module:function, or index/verl_fixed/verl_legacy"
+    )
+    parser.add_argument(
+        "--mutants", action="store_true", help="score the checker on its broken functions instead"
+    )
+    parser.add_argument("--cases", type=at_least(1), default=None, metavar="N",
+                        help="micro-batches to draw, 1 or more (1000; 100 per mutant)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (0)")
     args = parser.parse_args(argv)
+    if args.mutants:
+        if args.function is not None:
+            print(f"check_preprocess: give a FUNCTION or --mutants, not both (got "
+                  f"{args.function} and --mutants)", file=sys.stderr)  # fmt: skip
+            return 2
+        return score_mutants(100 if args.cases is None else args.cases, args.seed)
+    if args.function is None:
+        print("check_preprocess: give a FUNCTION to check, or --mutants", file=sys.stderr)
+        return 2
+    args.cases = 1000 if args.cases is None else args.cases
     try:
         fn = load_function(args.function)
     except ValueError as err:
@@ -113,3 +114,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"PASS {args.function}: {ran} cases on every rank, {took:.1f} s")
     return 0
+
+
+def score_mutants(cases: int, seed: int) -> int:
+    """One line per mutant of `recipe.checks.mutants`, then the score; 0 when all are caught."""
+    from recipe.checks import mutants
+
+    start = time.perf_counter()
+    scores = mutants.score(cases, seed)
+    width = max(len(s.mutant.name) for s in scores)
+    for s in scores:
+        if s.caught:
+            print(f"CAUGHT {s.mutant.name:<{width}}  {s.finding.describe()}")
+        else:
+            print(f"MISSED {s.mutant.name:<{width}}  passed {s.cases} cases: {s.mutant.pattern}")
+    caught = sum(s.caught for s in scores)
+    took = time.perf_counter() - start
+    print(f"mutation score: {caught}/{len(scores)} caught ({cases} cases each, {took:.1f} s)")
+    return 0 if caught == len(scores) else 1
