@@ -33,7 +33,7 @@ INSTALL := -c $(LOCK) -e ".[dev,docs]"
 STAMP_DEPS := pyproject.toml $(LOCK)
 endif
 
-.PHONY: setup kit train test test-fast lint docs bench clean
+.PHONY: setup kit train test test-fast lint docs bench conventions clean
 
 setup: $(STAMP)
 
@@ -106,6 +106,10 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/preprocess.py
+
+# The conventions table (docs/conventions.md): five sweeps, ~25 min on 2 CPU cores.
+conventions: $(STAMP)
+	PYTHON=$(BIN)/python scripts/conventions.sh outputs/conventions --write-docs
 
 clean:
 	rm -rf .venv .venv-legacy .venv-image gpu_kit outputs multirun .pytest_cache .hypothesis site

@@ -18,6 +18,10 @@ CP_PREPROCESS = ("index", *VERL_VARIANTS)
 PRECISIONS = ("auto", "fp32", "bf16")
 CP_COMM_TYPES = ("p2p", "a2a", "all_gather")
 PASS_POSITION_IDS = ("auto", "mtp_only", "not_vision", "always", "never")
+CU_SEQLENS_Q = ("padded", "real")
+"""What megatron's PackedSeqParams.cu_seqlens_q holds (convention.cu_seqlens_q)."""
+MTP_LOSS_MASKS = ("passed", "all_ones")
+"""Whether the model call hands the loss mask to megatron's MTP block (convention.mtp_loss_mask)."""
 VISION_POSITIONS = ("full_stream", "rank_local", "stock_sharded", "text_1d")
 MTP_SCALINGS = ("exact", "upstream")
 ENGINES = ("megatron", "reference")
@@ -40,3 +44,6 @@ NOISE_MARGIN = 10.0
 on the default config (docs/comparing-runs.md, "The noise floor")."""
 FP32_TOKEN_ATOL = 1e-5
 """Largest absolute per-token loss difference between two fp32 runs on CPU that passes."""
+CUDA_FP32_TOKEN_ATOL = 5e-5
+"""Per-token loss bound of cp=2 against cp=1 in fp32 on CUDA (gpu_check's cp2_one_gpu): 5x the
+largest difference measured on an H200."""

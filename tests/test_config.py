@@ -11,7 +11,7 @@ from recipe.config import ConfigError, TrainConfig
 from recipe.launch.overrides import quote_numeric_group_choices
 from tests.helpers.config import CONF_DIR, typed_config
 
-GROUPS = ["model", "data", "cp", "mtp", "vision", "optim", "trainer", "logger"]
+GROUPS = ["model", "data", "cp", "mtp", "vision", "optim", "trainer", "logger", "convention"]
 
 
 def _options(group: str) -> list[str]:

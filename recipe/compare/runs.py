@@ -55,11 +55,11 @@ class Run:
         )
 
 
-def _flatten(node, prefix: str = "") -> dict[str, object]:
+def flatten_config(node, prefix: str = "") -> dict[str, object]:
     if isinstance(node, dict):
         out = {}
         for key, value in node.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(flatten_config(value, f"{prefix}{key}."))
         return out
     if isinstance(node, list):
         return {prefix[:-1]: json.dumps(node)}
@@ -77,7 +77,7 @@ def load_run(path: str | Path) -> Run:
         raise ValueError(f"{metrics_file}: {err}") from err
     notes = [f"ignored a line cut short by a kill ({n}) of {METRICS_FILE}" for n in cut]
     job_config = read_job_config(path)
-    config = {} if job_config is None else _flatten(job_config)
+    config = {} if job_config is None else flatten_config(job_config)
     return Run(path=path, metrics=metrics, config=config, notes=notes)
 
 

@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -33,6 +34,12 @@ from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from recipe.compare.conventions import (
+    CONVENTIONS_FILE,
+    conventions_table,
+    failed_jobs,
+    spans_conventions,
+)
 from recipe.compare.report import PLOT_FILE, REPORT_FILE, write_report
 from recipe.compare.runs import find_runs
 from recipe.config import CompareConfig, ConfigError
@@ -64,6 +71,30 @@ def check_compare_config(config: DictConfig, jobs: int | None) -> CompareConfig:
             f"jobs, numbered 0 to {jobs - 1}; use one of those or compare.baseline=auto"
         )
     return compare
+
+
+def error_summary(text: str) -> str:
+    """One line for a failed job: the error's first line, and where a rank's traceback is
+    quoted, its exception and the innermost frame outside the recipe (`package/file.py:LINE`,
+    e.g. megatron-core's), so a report names the upstream line that raised."""
+    lines = text.strip().splitlines()
+    if not lines:
+        return "unknown error"
+    head = lines[0]
+    exception = next((ln.strip() for ln in reversed(lines) if _EXCEPTION_LINE.match(ln)), None)
+    if exception is None or exception in head:
+        return head
+    frames = [m for m in map(_FRAME_LINE.search, lines) if m and "/recipe/" not in m["file"]]
+    where = ""
+    if frames:
+        file = frames[-1]["file"]
+        file = file.split("site-packages/", 1)[-1]
+        where = f" at {file}:{frames[-1]['line']}"
+    return f"{head.rstrip(':')}: {exception}{where}"
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b[^ ]*: ")
+_FRAME_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
 
 JOBS_DIR = ".jobs"
@@ -118,7 +149,7 @@ class ParityReportCallback(Callback):
             raise SystemExit(2) from None
         self.sweep_dir = Path(config.hydra.sweep.dir)
         shutil.rmtree(self.sweep_dir / JOBS_DIR, ignore_errors=True)
-        for name in (REPORT_FILE, PLOT_FILE):
+        for name in (REPORT_FILE, PLOT_FILE, CONVENTIONS_FILE):
             # A reused sweep directory must not show an old verdict if this sweep ends early.
             (self.sweep_dir / name).unlink(missing_ok=True)
 
@@ -130,8 +161,7 @@ class ParityReportCallback(Callback):
         output_dir = Path(config.hydra.runtime.output_dir)
         error = None
         if job_return.status == JobStatus.FAILED:
-            lines = str(job_return._return_value).strip().splitlines()
-            error = lines[0] if lines else "unknown error"
+            error = error_summary(str(job_return._return_value))
         record_job(self.sweep_dir, config.hydra.job.num, output_dir, error)
         _, failures = recorded_jobs(self.sweep_dir)
         if failures:  # Hydra skips on_multirun_end when a job failed: the report is written now
@@ -180,4 +210,9 @@ class ParityReportCallback(Callback):
         print(report)
         verdict = "all PASS" if passed else "some FAIL"
         print(f"parity report ({verdict}): {sweep_dir / REPORT_FILE}, {sweep_dir / PLOT_FILE}")
+        if spans_conventions(runs):  # experiment=conventions: one row per convention and layout
+            failed = [(Path(d), e) for d, e in failed_jobs(sweep_dir)]
+            table = conventions_table(runs, float(self.compare_cfg.rtol), failed)
+            (sweep_dir / CONVENTIONS_FILE).write_text(table)
+            print(f"conventions table: {sweep_dir / CONVENTIONS_FILE}")
         return passed

@@ -12,6 +12,8 @@ command line's typos), `reference` the generated docs page.
 from recipe.config.groups import (
     BatchingConfig,
     CompareConfig,
+    ConventionConfig,
+    ConventionSource,
     CPConfig,
     DataConfig,
     LoggerConfig,
@@ -34,6 +36,8 @@ __all__ = [
     "BatchingConfig",
     "CPConfig",
     "CompareConfig",
+    "ConventionConfig",
+    "ConventionSource",
     "ConfigError",
     "DataConfig",
     "LoggerConfig",

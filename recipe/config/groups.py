@@ -12,9 +12,11 @@ from recipe.config.rules import one_of, positive, require
 from recipe.names import (
     ATTENTION_BACKENDS,
     CP_COMM_TYPES,
+    CU_SEQLENS_Q,
     DATA_SOURCES,
     ENGINES,
     FP32_RTOL,
+    MTP_LOSS_MASKS,
     MTP_SCALINGS,
     NOISE_FLOORS,
     NOISE_MARGIN,
@@ -403,6 +405,55 @@ class OptimConfig:
         positive("optim.eps", self.eps)
         require(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0, got {self.grad_clip}")
+
+
+@dataclass
+class ConventionSource:
+    """One choice of a convention and the upstream code that makes it."""
+
+    choice: str
+    """What the framework does, in a few words (one row of the conventions table)."""
+    keys: list[str] = field(default_factory=list)
+    """The recipe settings that re-create the choice (e.g. convention.cu_seqlens_q)."""
+    where: str = ""
+    """DISTRIBUTION==VERSION path:LINE[-LINE] in the released wheel (or REPO@TAG path:LINE where
+    the file ships in no wheel)."""
+    quote: str = ""
+    """Text on those lines: a test reads the wheel's file and checks it is there."""
+
+    def __post_init__(self) -> None:
+        require(
+            bool(self.where) == bool(self.quote),
+            f"convention.sources: the choice {self.choice!r} needs both `where` (the upstream "
+            "file:line) and `quote` (text on those lines), or neither",
+        )
+
+
+@dataclass
+class ConventionConfig:
+    """How batches and options reach megatron-core: the recipe's way, or a framework's
+    (conf/convention/*.yaml: each sets these keys and the existing ones its framework chooses,
+    and names the upstream file:line of every choice). docs/conventions.md: which of them train
+    the cp=1 model."""
+
+    name: str = "recipe"
+    """The convention, as conf/convention/ names it: recipe | megatron_lm | bridge@0.6.2 |
+    verl@0.9.1."""
+    cu_seqlens_q: str = "padded"
+    """padded: the padded offsets (the stream's layout) in cu_seqlens_q and cu_seqlens_q_padded,
+    as verl and the recipe pass them | real: the real offsets in cu_seqlens_q, the padded ones
+    in cu_seqlens_q_padded (Megatron-Bridge's packed SFT); megatron-core's MTP roll reads only
+    cu_seqlens_q."""
+    mtp_loss_mask: str = "passed"
+    """passed: the model call hands the loss mask to megatron's MTP block | all_ones: it does
+    not (Megatron-Bridge 0.6.2's gpt_step), and megatron-core's process_mtp_loss then counts
+    every slot, padding included."""
+    sources: list[ConventionSource] = field(default_factory=list)
+    """Each choice of the convention with its upstream file:line (the conventions table's "why")."""
+
+    def __post_init__(self) -> None:
+        one_of("convention.cu_seqlens_q", self.cu_seqlens_q, CU_SEQLENS_Q)
+        one_of("convention.mtp_loss_mask", self.mtp_loss_mask, MTP_LOSS_MASKS)
 
 
 @dataclass

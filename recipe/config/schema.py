@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from recipe.config.groups import (
     BatchingConfig,
     CompareConfig,
+    ConventionConfig,
     CPConfig,
     DataConfig,
     LoggerConfig,
@@ -39,6 +40,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
+    convention: ConventionConfig = field(default_factory=ConventionConfig)
     output_dir: str | None = None
     """Where outputs go; set from Hydra's run directory by train.py."""
 

@@ -6,8 +6,11 @@ CP a rank holds two zigzag chunks of every sequence: it all-gathers K and V over
 puts them back in global order with the same zigzag index the data was sharded with, and masks on
 global positions. The trade-off is simplicity over memory: every rank holds the full K/V of the
 micro-batch (fine for a correctness tool; Transformer Engine's ring attention is the `te` backend).
-Which SDPA kernel each call takes can be recorded (`recording_attention_kernels`): the GPU check
-reports it and fails a bf16 attention that fell back to the math kernel on CUDA.
+Real offsets in cu_seqlens_q beside padded ones in cu_seqlens_q_padded (Megatron-Bridge's packed
+SFT, Transformer Engine's THD convention) keep the padded layout and hide the padding: keys past a
+sequence's real length are masked and its padded rows output zero. Which SDPA kernel each call
+takes can be recorded (`recording_attention_kernels`): the GPU check reports it and fails a bf16
+attention that fell back to the math kernel on CUDA.
 """
 
 from __future__ import annotations
@@ -23,15 +26,23 @@ from recipe.parallel.collectives import all_gather_with_sum_backward
 from recipe.parallel.cp.zigzag import global_to_gathered_index, zigzag_index
 
 
-def _sequence_bounds(packed_seq_params) -> torch.Tensor:
-    """Global padded boundaries: the stream is laid out by them, and RoPE slices by them too."""
+def _sequence_bounds(packed_seq_params) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(padded, real) global boundaries. The stream is laid out by the padded ones (the zigzag
+    index too), and megatron's RoPE slices it by them as well: it reads cu_seqlens_q_padded
+    before cu_seqlens_q (megatron-core 0.19.2 transformer/attention.py:1484-1491, 0.16.1
+    :1082-1089). `real` is cu_seqlens_q where it is another tensor than the padded field
+    (Megatron-Bridge's packed SFT: real offsets in cu_seqlens_q, padded in *_padded, as
+    Transformer Engine's THD attention takes them), else None: the padded path. Self-attention
+    reads the q fields only; the kv ones hold the same offsets."""
     if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
         raise ValueError(
             "the torch attention backend only supports packed THD batches "
             "(packed_seq_params with qkv_format='thd')"
         )
-    cu = packed_seq_params.cu_seqlens_q_padded
-    return packed_seq_params.cu_seqlens_q if cu is None else cu
+    cu, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
+    if padded is None or cu is None or cu is padded:
+        return (cu if padded is None else padded), None
+    return padded, cu
 
 
 @dataclass(frozen=True)
@@ -44,16 +55,47 @@ class StreamLayout:
     """cp > 1: the global position of each of this rank's tokens (the zigzag index)."""
     gathered_order: torch.Tensor | None
     """cp > 1: where each global token sits in the rank-major all-gather."""
+    real_lengths: list[int] | None = None
+    """Each sequence's real length, where real offsets were given and differ from the padded
+    ones (then keys past it are hidden and rows past it output zero); None: the padded path."""
 
 
-def stream_layout(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> StreamLayout:
-    """Computed from the boundaries; their copy to the host is a device synchronisation."""
+def _real_lengths(real_bounds: list[int], bounds: list[int]) -> list[int] | None:
+    """The real length of each padded sequence (its real tokens open its padded slot range), or
+    None where they are the padded lengths: nothing to mask, the padded path."""
+    if len(real_bounds) != len(bounds):
+        raise ValueError(
+            f"cu_seqlens_q holds {len(real_bounds) - 1} sequences but cu_seqlens_q_padded "
+            f"{len(bounds) - 1}: the real offsets must describe the same padded sequences"
+        )
+    real = [b - a for a, b in zip(real_bounds[:-1], real_bounds[1:])]
+    padded = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    for i, (n, p) in enumerate(zip(real, padded)):
+        if not 0 <= n <= p:
+            raise ValueError(
+                f"sequence {i} has real length {n} (cu_seqlens_q) for padded length {p} "
+                "(cu_seqlens_q_padded): a real length is between 0 and the padded length"
+            )
+    return None if real == padded else real
+
+
+def stream_layout(
+    cu_seqlens_padded: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    cu_seqlens: torch.Tensor | None = None,
+) -> StreamLayout:
+    """Computed from the boundaries; their copy to the host is a device synchronisation (two
+    with real offsets `cu_seqlens`, once per micro-batch: `micro_batch_layout`)."""
+    bounds = cu_seqlens_padded.tolist()
+    real = None if cu_seqlens is None else _real_lengths(cu_seqlens.tolist(), bounds)
     if cp_size == 1:
-        return StreamLayout(cu_seqlens_padded.tolist(), None, None)
+        return StreamLayout(bounds, None, None, real)
     return StreamLayout(
-        cu_seqlens_padded.tolist(),
+        bounds,
         zigzag_index(cu_seqlens_padded, cp_size, cp_rank).to(cu_seqlens_padded.device),
         global_to_gathered_index(cu_seqlens_padded, cp_size),
+        real,
     )
 
 
@@ -63,14 +105,20 @@ _LAYOUT_ATTRIBUTE = "_recipe_stream_layouts"
 def micro_batch_layout(packed_seq_params, cp_size: int, cp_rank: int) -> StreamLayout:
     """The stream layout of a micro-batch, computed by its first attention layer and kept on its
     PackedSeqParams, which megatron hands unchanged to every layer and MTP depth: the host copy
-    and index arithmetic happen once per micro-batch instead of once per layer. Keyed by the
-    boundary tensor itself, so a PackedSeqParams re-pointed at other boundaries recomputes."""
-    cu = _sequence_bounds(packed_seq_params)
+    and index arithmetic happen once per micro-batch instead of once per layer. Keyed by both
+    boundary tensors themselves (padded and real), so a PackedSeqParams re-pointed at other
+    boundaries in either field recomputes."""
+    cu_padded, cu_real = _sequence_bounds(packed_seq_params)
     cached = getattr(packed_seq_params, _LAYOUT_ATTRIBUTE, None)
-    if cached is not None and cached[0] is cu and cached[1] == (cp_size, cp_rank):
-        return cached[2]
-    layout = stream_layout(cu, cp_size, cp_rank)
-    setattr(packed_seq_params, _LAYOUT_ATTRIBUTE, (cu, (cp_size, cp_rank), layout))
+    if (
+        cached is not None
+        and cached[0] is cu_padded
+        and cached[1] is cu_real
+        and cached[2] == (cp_size, cp_rank)
+    ):
+        return cached[3]
+    layout = stream_layout(cu_padded, cp_size, cp_rank, cu_real)
+    setattr(packed_seq_params, _LAYOUT_ATTRIBUTE, (cu_padded, cu_real, (cp_size, cp_rank), layout))
     return layout
 
 
@@ -170,6 +218,7 @@ def varlen_causal_attention(
     cp_rank: int = 0,
     softmax_scale: float | None = None,
     layout: StreamLayout | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention within each sequence of a packed stream.
 
@@ -177,6 +226,12 @@ def varlen_causal_attention(
     key/value: the FULL stream in global order `[t_global, groups, dim]`.
     Returns `[t_local, heads * dim]`. `layout`, when given, is `stream_layout` of the same
     boundaries (so that layers after the first do not synchronise to read them again).
+
+    `cu_seqlens`: real offsets, where they differ from the padded ones (Transformer Engine's
+    THD convention, cu_seqlens_q beside cu_seqlens_q_padded). The stream stays laid out by the
+    padded offsets, each sequence's real tokens first; keys past a sequence's real length are
+    hidden and the rows past it output exactly zero, so padding contributes nothing. Real rows
+    equal the padded path's (its causal mask already hides the padding that follows them).
     """
     heads, groups = query.shape[1], key.shape[1]
     if heads % groups:
@@ -184,30 +239,47 @@ def varlen_causal_attention(
     if heads != groups:
         key = key.repeat_interleave(heads // groups, dim=1)
         value = value.repeat_interleave(heads // groups, dim=1)
-    layout = layout or stream_layout(cu_seqlens_padded, cp_size, cp_rank)
-    bounds = layout.bounds
+    layout = layout or stream_layout(cu_seqlens_padded, cp_size, cp_rank, cu_seqlens)
+    bounds, real_lengths = layout.bounds, layout.real_lengths
     if cp_size > 1:
         local_global_pos = layout.local_positions.to(query.device)
+    # what SDPA returns (autocast's dtype under autocast): zero rows must not promote the cat
+    out_dtype = _autocast_dtype(query) or query.dtype
     outputs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         q_start, q_end = start // cp_size, end // cp_size
         if q_end == q_start:
+            continue
+        real = end - start if real_lengths is None else real_lengths[i]
+        if real == 0:  # padding only (Bridge's trailing pseudo-sequence): no key to attend to
+            outputs.append(
+                query.new_zeros(q_end - q_start, heads, value.shape[-1], dtype=out_dtype)
+            )
             continue
         # SDPA as [batch=1, heads, tokens, dim]: CUDA's flash and memory-efficient kernels take
         # only 4-D input and send 3-D [heads, tokens, dim] to the math kernel without a word
         # (on the CPU 4-D takes the flash kernel; 3-D took it too on torch 2.14, the same bits,
         # and the math kernel on 2.11 and 2.13: test_attention_kernels).
-        q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)
-        k = key[start:end].transpose(0, 1).unsqueeze(0)
-        v = value[start:end].transpose(0, 1).unsqueeze(0)
+        k = key[start : start + real].transpose(0, 1).unsqueeze(0)
+        v = value[start : start + real].transpose(0, 1).unsqueeze(0)
         if cp_size == 1:
-            out = attend(q, k, v, is_causal=True, scale=softmax_scale)
+            # the real rows only: the padding after them is neither asked nor attended
+            q = query[start : start + real].transpose(0, 1).unsqueeze(0)
+            out = attend(q, k, v, is_causal=True, scale=softmax_scale).squeeze(0).transpose(0, 1)
+            if real < end - start:
+                out = torch.cat([out, out.new_zeros(end - start - real, *out.shape[1:])])
         else:
+            q = query[q_start:q_end].transpose(0, 1).unsqueeze(0)
             q_pos = local_global_pos[q_start:q_end] - start
-            k_pos = torch.arange(end - start, device=query.device)
+            # Only the real keys: a padded row (q_pos >= real) sees all of them rather than none
+            # (what SDPA makes of a fully masked row depends on the torch release and kernel:
+            # NaN on some, 0 on torch 2.14's CPU kernels); the row is zeroed below.
+            k_pos = torch.arange(real, device=query.device)
             mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-            out = attend(q, k, v, attn_mask=mask, scale=softmax_scale)
-        outputs.append(out.squeeze(0).transpose(0, 1))
+            out = attend(q, k, v, attn_mask=mask, scale=softmax_scale).squeeze(0).transpose(0, 1)
+            if real < end - start:
+                out = torch.where((q_pos < real)[:, None, None], out, out.new_zeros(()))
+        outputs.append(out)
     out = torch.cat(outputs, dim=0)
     return out.reshape(out.shape[0], -1)
 
@@ -256,7 +328,7 @@ class PackedCausalAttention(MegatronModule):
         attention_bias=None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        cu_padded = _sequence_bounds(packed_seq_params)
+        cu_padded, cu_real = _sequence_bounds(packed_seq_params)
         cp_size, cp_rank = 1, 0
         if self.cp_group is not None and torch.distributed.get_world_size(self.cp_group) > 1:
             cp_size = torch.distributed.get_world_size(self.cp_group)
@@ -266,7 +338,7 @@ class PackedCausalAttention(MegatronModule):
             key = gather_global_stream(key, cu_padded, self.cp_group, layout.gathered_order)
             value = gather_global_stream(value, cu_padded, self.cp_group, layout.gathered_order)
         return varlen_causal_attention(
-            query, key, value, cu_padded, cp_size, cp_rank, self.softmax_scale, layout=layout
+            query, key, value, cu_padded, cp_size, cp_rank, self.softmax_scale, layout, cu_real
         )
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from recipe.data.packing import PackedBatch
 from recipe.environment import cuda_available
 from recipe.megatron.log_filters import silence_known_warnings
+from recipe.names import CU_SEQLENS_Q
 
 
 def resolve_attention_backend(name: str) -> str:
@@ -319,18 +320,27 @@ def _build_stage(
     return model
 
 
-def packed_seq_params(batch: PackedBatch):
-    """megatron's PackedSeqParams. Attention and RoPE lay sequences out by the padded global
-    boundaries, so those go in the *_padded fields and (for the MTP roll) in cu_seqlens_q too."""
+def packed_seq_params(batch: PackedBatch, cu_seqlens_q: str = "padded"):
+    """megatron's PackedSeqParams. The stream is laid out by the padded global boundaries, and
+    attention and RoPE read them from the *_padded fields. `cu_seqlens_q` says what goes in
+    cu_seqlens_q and cu_seqlens_kv: "padded", the padded offsets too (verl's convention, and
+    the one megatron-core's MTP roll needs: it reads cu_seqlens_q alone); "real", the real
+    offsets (Megatron-Bridge's packed SFT, Transformer Engine's THD convention), which the
+    torch backend honours by masking the padding (recipe/model/attention.py)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = batch.cu_seqlens_padded
+    if cu_seqlens_q not in CU_SEQLENS_Q:
+        raise ValueError(
+            f"cu_seqlens_q must be one of {', '.join(CU_SEQLENS_Q)}, got {cu_seqlens_q!r}"
+        )
+    padded = batch.cu_seqlens_padded
+    cu = padded if cu_seqlens_q == "padded" else batch.cu_seqlens
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu,
-        cu_seqlens_kv_padded=cu,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
         max_seqlen_q=batch.max_seqlen,
         max_seqlen_kv=batch.max_seqlen,
     )

@@ -38,3 +38,13 @@ def read_job_config(run_dir: str | Path) -> dict | None:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+
+
+def read_job_overrides(run_dir: str | Path) -> list[str]:
+    """The command-line overrides the job was composed with (`key=value`), [] when unrecorded."""
+    path = hydra_dir(run_dir) / OVERRIDES_FILE
+    if not path.exists():
+        return []
+    from omegaconf import OmegaConf
+
+    return [str(o) for o in OmegaConf.to_container(OmegaConf.load(path))]

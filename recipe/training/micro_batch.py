@@ -78,11 +78,15 @@ class MicroBatchPass:
             self.trace.micro_batch(batch, work.samples[index])
         mtp = self.training and bool(work.global_mtp_tokens) and self.layout.is_last_stage
         if mtp:
+            # megatron's original_num_tokens: the count of the mask its MTP block was given
+            given = batch.loss_mask
+            if cfg.convention.mtp_loss_mask == "all_ones":
+                given = torch.ones_like(batch.loss_mask)
             self.mtp_scales.prepare(
                 cfg.mtp.scaling,
                 work.global_predicted_tokens,
                 work.global_mtp_counts,
-                batch.loss_mask.sum(),
+                given.sum(),
                 batch.mtp_mask.sum(-1),
                 self.gradient_divisor,
             )
@@ -100,7 +104,7 @@ class MicroBatchPass:
             ) as captured,
             autocast(batch.input_ids.device, self.precision),
         ):
-            output = _model_call(batch, model, cfg.passes_position_ids)
+            output = _model_call(batch, model, cfg)
         if mtp:
             self.mtp_scales.confirm_taken()
         return output, functools.partial(self.loss, index, captured)
@@ -163,20 +167,21 @@ def run_micro_batch(
     )
 
 
-def _model_call(batch: PackedBatch, model, pass_position_ids: bool) -> torch.Tensor:
+def _model_call(batch: PackedBatch, model, cfg) -> torch.Tensor:
     """The model call for one packed micro-batch: [1, T] per-token losses from the last (or only)
-    pipeline stage, hidden states from the others."""
+    pipeline stage, hidden states from the others. `cfg.convention` decides what megatron is
+    handed: which offsets go in cu_seqlens_q, and whether its MTP block gets the loss mask."""
     kwargs = {}
-    if batch.mtp_mask is not None:
+    if batch.mtp_mask is not None and cfg.convention.mtp_loss_mask == "passed":
         kwargs["loss_mask"] = batch.loss_mask.unsqueeze(0)  # megatron rolls it per MTP layer
     if batch.images is not None:
         kwargs["batch"] = batch  # images, their slots and the stream for the 3-D positions
     return model(
         input_ids=batch.input_ids.unsqueeze(0),
-        position_ids=batch.position_ids.unsqueeze(0) if pass_position_ids else None,
+        position_ids=batch.position_ids.unsqueeze(0) if cfg.passes_position_ids else None,
         attention_mask=None,
         labels=batch.labels.unsqueeze(0),
-        packed_seq_params=packed_seq_params(batch),
+        packed_seq_params=packed_seq_params(batch, cfg.convention.cu_seqlens_q),
         **kwargs,
     )
 
@@ -187,7 +192,8 @@ def _loss_and_report(
     """This rank's masked next-token loss sum (what backward sees), its token count, and the
     report: float64 `[sum, count]` per named loss. `mtp_means`: per MTP layer, the mean loss
     megatron tracked for this micro-batch on this rank (training with mtp=on only; the MTP
-    gradient itself reaches the model inside megatron)."""
+    gradient itself reaches the model inside megatron). Each mean is weighted by the batch's
+    MTP mask count (convention.mtp_loss_mask=all_ones: the all-ones mask megatron rolls then)."""
     loss_sum = (per_token_loss.float() * batch.loss_mask).sum()
     num_tokens = batch.loss_mask.sum()
     report = {LM: torch.stack([loss_sum.detach().double(), num_tokens.double()])}

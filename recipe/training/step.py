@@ -86,6 +86,8 @@ def plan_step(
         plans = [[micro[::-1] for micro in plan] for plan in plans]
     mine = per_rank[layout.dp_rank]
     mtp_layers = cfg.mtp.num_layers if cfg.mtp.enabled else 0
+    # Without a loss mask megatron's MTP block rolls an all-ones mask: every padded slot counts
+    all_ones = cfg.convention.mtp_loss_mask == "all_ones"
     micro_batches = []
     loaded = load_preprocess(cfg.cp.preprocess) if layout.cp_size > 1 else None
     for micro in plans[layout.dp_rank]:
@@ -94,7 +96,8 @@ def plan_step(
         if image_token_id is not None:
             batch = attach_images(batch, chosen, image_token_id, cfg.image_grid)
         if mtp_layers:
-            masks = rolled_loss_masks(batch.loss_mask, batch.cu_seqlens_padded, mtp_layers)
+            counted = torch.ones_like(batch.loss_mask) if all_ones else batch.loss_mask
+            masks = rolled_loss_masks(counted, batch.cu_seqlens_padded, mtp_layers)
             batch = batch.replace(mtp_mask=masks)
         local = shard_batch(
             batch,
@@ -107,6 +110,11 @@ def plan_step(
         )
         micro_batches.append(local.to(device))
     predicted, mtp_targets = predicted_token_counts(sequences, mtp_layers, image_token_id)
+    if all_ones:
+        mtp_targets = [
+            sum(max(0, aligned_length(n, alignment) - k - 1) for n in lengths)
+            for k in range(mtp_layers)
+        ]
     return StepWork(
         micro_batches=micro_batches,
         global_predicted_tokens=predicted,
