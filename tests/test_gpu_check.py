@@ -67,7 +67,7 @@ def test_gpu_check_without_cuda_reports_every_part_skipped(tmp_path):
     assert report["versions"]["status"] == "info" and report["versions"]["torch"]
     parts = [name for name in report if name != "versions"]
     assert parts == [name for name in gpu_check.CHECKS if name != "versions"]
-    assert len(parts) == 8
+    assert len(parts) == 9
     assert all(report[p]["status"] == "skipped" for p in parts)
     assert all(report[p]["reason"] == "no CUDA" for p in parts)
     assert "nothing but the versions was checked" in (tmp_path / "report.md").read_text()
@@ -177,6 +177,11 @@ def _bf16(entry):
     assert set(entry["attention_kernels"]) == {"bfloat16", "float32"}
 
 
+def _real_offsets(entry):
+    assert entry["padded_rows_zero"] and entry["padded_keys_without_gradient"]
+    assert entry["output_rel_l2"] < 1e-5, entry  # fp32 on the CPU against the fp32 product
+
+
 def _mfu(entry):
     assert entry["steps_timed"] == 1 and entry["warmup_steps"] == 1
     assert 0 < entry["mfu_median"] < 1 and entry["tokens_per_s_median"] > 0
@@ -209,6 +214,9 @@ CPU_BODIES = {
             "lengths": ATTENTION_LENGTHS,
         },
         _attention,
+    ),
+    "real_offsets": CpuBody(
+        lambda request: {"lengths": ATTENTION_LENGTHS, "dtype": torch.float32}, _real_offsets
     ),
     "model_te_vs_torch": CpuBody(
         lambda request: {"backends": ("torch", "torch")}, _model, RUNS_THE_MODEL
@@ -298,13 +306,24 @@ def _zigzag_back_chunk_first(cu, total, cp, rank):
                 "lengths": ATTENTION_LENGTHS,
             },
         ),
+        (
+            "real_offsets",
+            {
+                # the real tokens of all sequences as one sequence in the reference
+                "reference": lambda q, k, v, cu: gpu_check.dense_causal_attention(
+                    q, k, v, cu[[0, -1]]
+                ),
+                "lengths": ATTENTION_LENGTHS,
+                "dtype": torch.float32,
+            },
+        ),
     ],
-    ids=["te_backends", "zigzag_vs_te", "attention_vs_te"],
+    ids=["te_backends", "zigzag_vs_te", "attention_vs_te", "real_offsets"],
 )
 def test_negative_control_a_wrong_answer_fails_the_part(name, options):
     """te_backends with unfused picked for bf16, the zigzag with a rank's chunks swapped, the
-    attention reference with keys and values swapped: each fails its part on the verdict (a
-    failure without a crash's reason)."""
+    attention reference with keys and values swapped, the real-offsets reference attending across
+    sequences: each fails its part on the verdict (a failure without a crash's reason)."""
     entry = gpu_check.run_part(name, gpu_check.CHECKS[name], CPU, **options)
     assert entry["status"] == "fail" and "reason" not in entry, entry
 
@@ -316,8 +335,8 @@ def test_negative_control_a_per_layer_boundary_read_fails_host_syncs(monkeypatch
     from recipe.model import attention
 
     def uncached(packed_seq_params, cp_size, cp_rank):
-        bounds = attention._sequence_bounds(packed_seq_params)
-        return attention.stream_layout(bounds, cp_size, cp_rank)
+        padded, real = attention._sequence_bounds(packed_seq_params)
+        return attention.stream_layout(padded, cp_size, cp_rank, real)
 
     monkeypatch.setattr(attention, "micro_batch_layout", uncached)
     entry = gpu_check.run_part("host_syncs", gpu_check.check_host_syncs, CPU)

@@ -9,6 +9,8 @@ ran: backend, precision, ranks, versions, the attention kernels):
   zigzag_vs_te      the recipe's zigzag index against TE's thd_get_partitioned_indices
   attention_vs_te   the recipe's varlen attention against TE's DotProductAttention (cp=1, bf16):
                     outputs and gradients
+  real_offsets      the torch backend given real offsets beside padded ones (Megatron-Bridge's
+                    packed SFT): real rows against a dense reference, padded rows exactly zero
   model_te_vs_torch the whole model, te against torch backend at cp=1 on the same weights, in
                     training mode: per-token losses and every gradient, with and without MTP
   cp2_one_gpu       two ranks on the one GPU: cp=2 against cp=1 per token (torch backend; TE too
@@ -53,6 +55,7 @@ from pathlib import Path
 
 from recipe.checks.gpu.attention_parts import (
     check_attention_vs_te,
+    check_real_offsets,
     check_te_backends,
     check_zigzag_vs_te,
     packed_qkv,
@@ -99,6 +102,7 @@ __all__ = [
     "check_host_syncs",
     "check_mfu_1b",
     "check_model_te_vs_torch",
+    "check_real_offsets",
     "check_te_backends",
     "check_versions",
     "check_zigzag_vs_te",

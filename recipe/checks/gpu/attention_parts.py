@@ -1,6 +1,8 @@
 """The GPU check parts that hold the recipe's attention pieces against Transformer Engine's:
 te_backends (TE's backend selection for the THD layout), zigzag_vs_te (the zigzag index against
-TE's partition) and attention_vs_te (the varlen attention against TE's DotProductAttention)."""
+TE's partition) and attention_vs_te (the varlen attention against TE's DotProductAttention);
+and real_offsets (the torch backend given real offsets beside padded ones, as Megatron-Bridge's
+packed SFT passes them, against a dense reference over the real tokens alone)."""
 
 from __future__ import annotations
 
@@ -183,5 +185,61 @@ def check_attention_vs_te(
         "ran": ran_with(precision=precision, ranks=1, lengths=lengths),
         "output_rel_l2": out_rel,
         "grad_rel_l2_max": grad_rel,
+        "tolerance": RTOL_BF16,
+    }
+
+
+# --- real_offsets ----------------------------------------------------------------------------
+
+
+def check_real_offsets(
+    quick: bool,
+    device: torch.device,
+    progress: PartProgress,
+    reference=None,
+    lengths: list[int] | None = None,
+    alignment: int = 8,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict:
+    """The torch backend with real offsets in cu_seqlens_q and padded ones in cu_seqlens_q_padded
+    (convention=bridge@0.6.2): each sequence's real rows against `reference(q, k, v, cu_seqlens)`
+    over the real tokens alone (default: the dense fp32 product), outputs and gradients; its
+    padded rows exactly zero and its padded keys without gradient (padding contributes
+    nothing, as Transformer Engine's THD attention is documented to treat it)."""
+    from recipe.checks.gpu.references import dense_causal_attention
+    from recipe.data.thd import cu_seqlens_from_lengths, padded_lengths
+
+    heads, groups, dim = 8, 2, 64
+    real = torch.tensor(list(lengths or [509, 37, 1021, 128, 250]))
+    padded = padded_lengths(real, alignment)
+    reference = reference or dense_causal_attention
+    precision = str(dtype).removeprefix("torch.")
+    progress.at("attention with real offsets, forward and backward", real.tolist())
+    (q, k, v), cu_padded = packed_qkv(padded.tolist(), heads, groups, dim, dtype, device)
+    cu_real = cu_seqlens_from_lengths(real).to(device)
+    # the slots of the padded stream that hold a real token
+    offset_in_sequence = torch.arange(int(padded.sum())) - torch.repeat_interleave(
+        cu_padded.cpu()[:-1].long(), padded
+    )
+    is_real = (offset_in_sequence < torch.repeat_interleave(real, padded)).to(device)
+    ours = varlen_causal_attention(q, k, v, cu_padded, cu_seqlens=cu_real)
+    grads_ours = torch.autograd.grad(ours[is_real].float().square().sum(), (q, k, v))
+    rows = [t[is_real] for t in (q, k, v)]
+    theirs = reference(*rows, cu_real)
+    grads_theirs = torch.autograd.grad(theirs.float().square().sum(), (q, k, v))
+    out_rel = rel_l2(ours[is_real], theirs)
+    grad_rel = max(rel_l2(a[is_real], b[is_real]) for a, b in zip(grads_ours, grads_theirs))
+    padded_rows_zero = bool((ours[~is_real] == 0).all())
+    padded_keys_still = all(bool((g[~is_real] == 0).all()) for g in grads_ours[1:])
+    return {
+        "passed": out_rel < RTOL_BF16
+        and grad_rel < RTOL_BF16
+        and padded_rows_zero
+        and padded_keys_still,
+        "ran": ran_with(precision=precision, ranks=1, lengths=real.tolist()),
+        "output_rel_l2": out_rel,
+        "grad_rel_l2_max": grad_rel,
+        "padded_rows_zero": padded_rows_zero,
+        "padded_keys_without_gradient": padded_keys_still,
         "tolerance": RTOL_BF16,
     }

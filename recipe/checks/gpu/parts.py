@@ -9,6 +9,7 @@ import torch
 
 from recipe.checks.gpu.attention_parts import (
     check_attention_vs_te,
+    check_real_offsets,
     check_te_backends,
     check_zigzag_vs_te,
 )
@@ -42,6 +43,7 @@ CHECKS = {
     "te_backends": check_te_backends,
     "zigzag_vs_te": check_zigzag_vs_te,
     "attention_vs_te": check_attention_vs_te,
+    "real_offsets": check_real_offsets,
     "model_te_vs_torch": check_model_te_vs_torch,
     "cp2_one_gpu": check_cp2_one_gpu,
     "host_syncs": check_host_syncs,
