@@ -132,7 +132,7 @@ def test_a_failing_row_cites_the_choice_that_acts_at_its_layout(tmp_path):
     assert "convention.cu_seqlens_q" in bridge.why and "gpt_sft.py:202-205" in bridge.why
     assert "lm_loss 4.8e-02 (step 3)" in bridge.drift  # 0.1 / 2.1
     # the PASS row's control is the failing row of the same layout
-    assert rows[0].control == "bridge"
+    assert rows[0].control == "`bridge`"
 
 
 def test_a_passing_row_without_a_failing_neighbour_says_so(tmp_path):
@@ -175,3 +175,78 @@ def test_the_docs_table_is_replaced_between_its_markers(tmp_path):
     page.write_text("no markers\n")
     with pytest.raises(SystemExit, match="BEGIN"):
         write_docs(table, page)
+
+
+def _job(sweep: Path, num: int, convention: str, cp: int, losses, overrides=(), error=None):
+    """A job directory as a sweep leaves it: its config, overrides, metrics and job record."""
+    import yaml
+
+    run = sweep / str(num)
+    (run / ".hydra").mkdir(parents=True)
+    config = {
+        "convention": {"name": convention, "cu_seqlens_q": "padded", "sources": []},
+        "cp": {"size": cp, "preprocess": "index"},
+        "parallel": {"dp": 1, "tp": 1, "pp": 1},
+        "mtp": {"enabled": True, "scaling": "upstream"},
+        "output_dir": str(run),
+    }
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    job_overrides = [f"convention={convention}", f"cp={cp}", "mtp=on", *overrides]
+    (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(job_overrides))
+    rows = [
+        {"step": i + 1, "lm_loss": v, "mtp_loss": v, "grad_norm": 1.0} for i, v in enumerate(losses)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (sweep / ".jobs").mkdir(exist_ok=True)
+    record = {"num": num, "output_dir": str(run), "metrics": True, "error": error}
+    (sweep / ".jobs" / f"{num}.json").write_text(json.dumps(record))
+
+
+def test_the_command_writes_one_table_per_sweep_with_raises_and_ablation_labels(tmp_path, capsys):
+    from recipe.compare.conventions import main
+
+    exact, drifted = [3.0, 2.5, 2.0], [3.0, 2.6, 2.1]
+    sweep = tmp_path / "main"
+    _job(sweep, 0, "verl", 1, exact)
+    _job(sweep, 1, "verl", 2, drifted)
+    raised = "rank 1 failed (exit code 1) on vm: IndexError: list index out of range at x.py:3"
+    _job(sweep, 2, "verl", 4, exact[:1], error=raised)  # logged step 1, then raised
+    ablation = tmp_path / "ablation"
+    _job(ablation, 0, "verl", 1, exact, ["mtp.scaling=exact"])
+    _job(ablation, 1, "verl", 2, exact, ["mtp.scaling=exact"])
+    main([str(sweep), str(ablation)])
+    out = capsys.readouterr().out
+    assert out.index("#### main") < out.index("#### ablation") < out.index("#### The choices")
+    main_table = out[out.index("#### main") : out.index("#### ablation")]
+    assert "| verl | cp=2 mtp=on | **FAIL** |" in main_table
+    # the job that raised is one RAISES row with megatron's line, not a FAIL row too
+    assert f"| verl | cp=4 mtp=on | **RAISES** | `{raised}` |" in main_table
+    assert "cp=4 mtp=on | **FAIL**" not in main_table
+    # the ablation's own override labels its rows; its cp=1 baseline is no row
+    assert "| verl mtp.scaling=exact | cp=2 mtp=on | PASS |" in out
+    assert "cp=1 mtp=on" not in out
+
+
+@pytest.mark.parametrize("mask", ["passed", "all_ones"])
+def test_every_mtp_target_is_counted_once_under_each_loss_mask(mask):
+    """The plan's MTP masks are what megatron rolls (the loss mask, or all ones when the model
+    is given none), and the ranks' counts add up to the plan's: the trainer's per-step check
+    that every predicted token was counted exactly once holds under either convention."""
+    import torch
+
+    from recipe.config.layout import ParallelDims
+    from recipe.training.step import plan_step
+
+    cfg = typed_config(["mtp=on", "cp=2", f"convention.mtp_loss_mask={mask}"])
+    dims = ParallelDims(cp=2)
+    sequences = [list(range(1, n + 1)) for n in (5, 9, 3, 12)]
+    works = [
+        plan_step(sequences, cfg, dims.layout_of(rank), 0, torch.device("cpu")) for rank in range(2)
+    ]
+    counted = sum(float(b.mtp_mask.sum()) for w in works for b in w.micro_batches)
+    assert counted == works[0].global_mtp_tokens[0]
+    padded = sum(-(-n // 4) * 4 for n in (5, 9, 3, 12))
+    if mask == "all_ones":  # every padded slot but the last of each sequence
+        assert counted == padded - 4
+    else:  # each sequence's real targets of MTP layer 1: n - 2
+        assert counted == sum(n - 2 for n in (5, 9, 3, 12))

@@ -192,6 +192,12 @@ class Row:
     drift: str
     why: str
     control: str = ""
+    job: int = 0
+    """The job's number in its sweep: conventions are listed in the order the sweep ran them."""
+
+
+def _job_number(run: Run) -> int:
+    return int(run.path.name) if run.path.name.isdigit() else 0
 
 
 def failed_run(path: Path, error: str) -> Row | None:
@@ -207,6 +213,7 @@ def failed_run(path: Path, error: str) -> Row | None:
         "**RAISES**",
         f"`{error}`",
         _why(run) if acting_choices(run) else "read the job's train.log",
+        job=_job_number(run),
     )
 
 
@@ -216,7 +223,9 @@ def table_rows(comparisons: list[Comparison], failed: list[tuple[Path, str]] = (
     rows: list[Row] = [row for row in (failed_run(p, e) for p, e in failed) if row is not None]
     raised = {Path(p).resolve() for p, _ in failed}
     for c in comparisons:
-        if c.baseline is None or c.run.path.resolve() in raised:
+        # a layout that is a baseline's own (cp=1 beside another cp=1 that differs only in how
+        # its tokens are split, e.g. cp.preprocess) says nothing about CP
+        if c.baseline is None or c.run.is_reference_layout or c.run.path.resolve() in raised:
             continue
         run = c.run
         verdict = "PASS" if c.passed else "**FAIL**"
@@ -230,6 +239,7 @@ def table_rows(comparisons: list[Comparison], failed: list[tuple[Path, str]] = (
                 verdict,
                 _drift(c),
                 why,
+                job=_job_number(run),
             )
         )
     for row in rows:
@@ -237,9 +247,13 @@ def table_rows(comparisons: list[Comparison], failed: list[tuple[Path, str]] = (
             controls = sorted(
                 {r.convention for r in rows if r.layout == row.layout and r.verdict != "PASS"}
             )
-            row.control = ", ".join(controls) if controls else "none at this layout"
-    order = {name: i for i, name in enumerate(dict.fromkeys(r.convention for r in rows))}
-    return sorted(rows, key=lambda r: (order[r.convention], r.layout))
+            shown = ", ".join(f"`{name}`" for name in controls[:2])
+            more = f" (+{len(controls) - 2} more)" if len(controls) > 2 else ""
+            row.control = shown + more if controls else "none at this layout"
+    first_job: dict[str, int] = {}
+    for row in rows:
+        first_job[row.convention] = min(row.job, first_job.get(row.convention, row.job))
+    return sorted(rows, key=lambda r: (first_job[r.convention], r.layout))
 
 
 def render(rows: list[Row], rtol: float) -> str:
@@ -311,17 +325,23 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m recipe.compare.conventions",
         description="The conventions table of a sweep over convention x layout.",
     )
-    parser.add_argument("paths", nargs="+", help="sweep directories (or run directories)")
+    parser.add_argument(
+        "paths", nargs="+", help="sweep directories: one table each, under the folder's name"
+    )
     parser.add_argument("--rtol", type=float, default=FP32_RTOL)
     parser.add_argument(
         "--write-docs", action="store_true", help=f"also refresh the table in {DOCS_PAGE.name}"
     )
     args = parser.parse_args(argv)
-    runs = find_runs(args.paths)
-    failed = []
+    sections, every_run = [], []
     for path in map(Path, args.paths):
-        failed += [(Path(d), e) for d, e in failed_jobs(path)]
-    table = conventions_table(runs, args.rtol, failed)
+        runs = find_runs([path])
+        every_run += runs
+        failed = [(Path(d), e) for d, e in failed_jobs(path)]
+        rows = table_rows(compare_all(runs, args.rtol), failed)
+        sections.append(f"#### {path.name}\n\n{render(rows, args.rtol)}")
+    table = "\n".join(sections)
+    table += f"\n#### The choices each convention makes\n\n{choices_table(every_run)}"
     print(table)
     if args.write_docs:
         write_docs(table)
