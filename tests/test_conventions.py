@@ -250,3 +250,27 @@ def test_every_mtp_target_is_counted_once_under_each_loss_mask(mask):
         assert counted == padded - 4
     else:  # each sequence's real targets of MTP layer 1: n - 2
         assert counted == sum(n - 2 for n in (5, 9, 3, 12))
+
+
+def test_a_failed_job_is_summed_up_with_the_upstream_line_that_raised():
+    from recipe.compare.sweep import error_summary
+
+    traceback = "\n".join(
+        [
+            "rank 1 failed (exit code 1) on vm:",
+            "Traceback (most recent call last):",
+            '  File "/w/recipe/training/micro_batch.py", line 103, in forward',
+            '  File "/v/site-packages/megatron/core/transformer/multi_token_prediction.py", '
+            "line 313, in _roll_tensor_packed_seq",
+            "IndexError: list index out of range",
+            "(also failed: rank 0, exit code 1: IndexError: list index out of range)",
+        ]
+    )
+    assert error_summary(traceback) == (
+        "rank 1 failed (exit code 1) on vm: IndexError: list index out of range at "
+        "megatron/core/transformer/multi_token_prediction.py:313"
+    )
+    # the recipe's own errors already name the problem: left as they are
+    said = "rank 0 failed (exit code 1) on vm: ConfigError: cp.size must divide"
+    assert error_summary(said) == said
+    assert error_summary("") == "unknown error"
