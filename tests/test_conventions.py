@@ -274,3 +274,14 @@ def test_a_failed_job_is_summed_up_with_the_upstream_line_that_raised():
     said = "rank 0 failed (exit code 1) on vm: ConfigError: cp.size must divide"
     assert error_summary(said) == said
     assert error_summary("") == "unknown error"
+
+
+def test_a_sweep_gets_a_conventions_table_when_it_trains_a_framework_convention(tmp_path):
+    from recipe.compare.conventions import uses_conventions
+
+    def runs(*names):
+        return [Run(tmp_path / str(i), [], {"convention.name": n}) for i, n in enumerate(names)]
+
+    assert not uses_conventions(runs("recipe", "recipe"))  # e.g. experiment=cp_parity
+    assert uses_conventions(runs("recipe", "megatron_lm"))  # experiment=conventions
+    assert uses_conventions(runs("bridge@0.6.2", "bridge@0.6.2"))  # one framework's ablation

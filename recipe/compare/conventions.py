@@ -10,9 +10,9 @@ file:line the run's own config cites (`convention.sources`). Choices are matched
 at which layouts. A PASS row names its control: a row of the same layout that FAILS, which shows
 the comparison can tell a convention apart there.
 
-The sweep's callback writes `conventions.md` beside `parity_report.md` when a sweep spans more than
-one convention; `python -m recipe.compare.conventions SWEEP_DIR --write-docs` also refreshes the
-table in docs/conventions.md.
+The sweep's callback writes `conventions.md` beside `parity_report.md` when a sweep trains a
+framework's convention (`uses_conventions`); `python -m recipe.compare.conventions SWEEP_DIR...
+--write-docs` also refreshes the tables in docs/conventions.md, one per sweep.
 """
 
 from __future__ import annotations
@@ -306,8 +306,11 @@ def failed_jobs(sweep_dir: Path) -> list[tuple[str, str]]:
     return [(e["output_dir"], e["error"]) for e in entries if e.get("error")]
 
 
-def spans_conventions(runs: list[Run]) -> bool:
-    return len({r.config.get("convention.name") for r in runs}) > 1
+def uses_conventions(runs: list[Run]) -> bool:
+    """A sweep over conventions, or over one framework's convention (an ablation): the sweeps
+    whose parity report gets a conventions table beside it."""
+    names = {r.config.get("convention.name") for r in runs}
+    return len(names) > 1 or bool(names - {"recipe", None})
 
 
 def write_docs(table: str, page: Path = DOCS_PAGE) -> None:

@@ -38,7 +38,7 @@ from recipe.compare.conventions import (
     CONVENTIONS_FILE,
     conventions_table,
     failed_jobs,
-    spans_conventions,
+    uses_conventions,
 )
 from recipe.compare.report import PLOT_FILE, REPORT_FILE, write_report
 from recipe.compare.runs import find_runs
@@ -210,7 +210,7 @@ class ParityReportCallback(Callback):
         print(report)
         verdict = "all PASS" if passed else "some FAIL"
         print(f"parity report ({verdict}): {sweep_dir / REPORT_FILE}, {sweep_dir / PLOT_FILE}")
-        if spans_conventions(runs):  # experiment=conventions: one row per convention and layout
+        if uses_conventions(runs):  # a row per convention (or ablation) and layout
             failed = [(Path(d), e) for d, e in failed_jobs(sweep_dir)]
             table = conventions_table(runs, float(self.compare_cfg.rtol), failed)
             (sweep_dir / CONVENTIONS_FILE).write_text(table)
