@@ -59,9 +59,8 @@ def test_negative_control_a_per_layer_boundary_read_is_counted(monkeypatch):
     from recipe.model import attention
 
     def uncached(packed_seq_params, cp_size, cp_rank):
-        return attention.stream_layout(
-            attention._sequence_bounds(packed_seq_params), cp_size, cp_rank
-        )
+        padded, real = attention._sequence_bounds(packed_seq_params)
+        return attention.stream_layout(padded, cp_size, cp_rank, real)
 
     shallow = _reads_per_micro_batch(1, False)
     monkeypatch.setattr(attention, "micro_batch_layout", uncached)
@@ -87,7 +86,7 @@ def test_the_layout_cache_follows_the_boundary_tensor():
     assert micro_batch_layout(p, 2, 0) is first
     assert micro_batch_layout(p, 2, 1).local_positions.tolist() != first.local_positions.tolist()
     other = torch.tensor([0, 4, 16], dtype=torch.int32)
-    p.cu_seqlens_q_padded = other
+    p.cu_seqlens_q = p.cu_seqlens_q_padded = other  # both: a real cu_seqlens_q is its own case
     assert micro_batch_layout(p, 2, 0).bounds == [0, 4, 16]
 
 

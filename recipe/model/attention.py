@@ -338,7 +338,15 @@ class PackedCausalAttention(MegatronModule):
             key = gather_global_stream(key, cu_padded, self.cp_group, layout.gathered_order)
             value = gather_global_stream(value, cu_padded, self.cp_group, layout.gathered_order)
         return varlen_causal_attention(
-            query, key, value, cu_padded, cp_size, cp_rank, self.softmax_scale, layout, cu_real
+            query,
+            key,
+            value,
+            cu_padded,
+            cp_size,
+            cp_rank,
+            self.softmax_scale,
+            layout=layout,
+            cu_seqlens=cu_real,
         )
 
 
