@@ -285,3 +285,19 @@ def test_a_sweep_gets_a_conventions_table_when_it_trains_a_framework_convention(
     assert not uses_conventions(runs("recipe", "recipe"))  # e.g. experiment=cp_parity
     assert uses_conventions(runs("recipe", "megatron_lm"))  # experiment=conventions
     assert uses_conventions(runs("bridge@0.6.2", "bridge@0.6.2"))  # one framework's ablation
+
+
+def test_a_recipe_setting_turned_off_cites_the_megatron_line_behind_it(tmp_path):
+    """The recipe's own convention cites nothing; with its MTP position-embedding sync off (as
+    megatron is released) a failing pp=2 row names megatron-core's position-embedding group."""
+    off = {
+        "trainer.megatron.sync_mtp_position_embeddings": False,
+        "model.position_embedding_type": "learned_absolute",
+    }
+    runs = [
+        _run(tmp_path, "0", "recipe", 1, True, [3.0, 2.5], **off, **{"parallel.pp": 1}),
+        _run(tmp_path, "1", "recipe", 1, True, [3.0, 2.6], **off, **{"parallel.pp": 2}),
+    ]
+    (row,) = table_rows(compare_all(runs, 1e-5))
+    assert row.verdict == "**FAIL**" and row.layout == "cp=1 pp=2 mtp=on"
+    assert "megatron/core/parallel_state.py:569-572" in row.why

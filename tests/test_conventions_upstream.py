@@ -114,6 +114,26 @@ def test_every_cited_line_holds_its_quote(name, source, load_error):
     assert citation_problem(where, quote) is None, citation_problem(where, quote)
 
 
+# What each megatron-core line the conventions table names (recipe.compare.conventions.ACTING)
+# must say: the table shows it where a convention cites nothing for the key.
+ACTING_QUOTES = {
+    "convention.cu_seqlens_q": "cu_seqlens = packed_seq_params.cu_seqlens_q",
+    "convention.mtp_loss_mask": "loss_mask = torch.ones_like(mtp_labels)",
+    "mtp.scaling": "original_num_tokens / num_tokens_safe",
+    "trainer.megatron.calculate_per_token_loss": "output_tensor /= torch.clamp(num_tokens, min=1)",
+    "trainer.megatron.sync_mtp_position_embeddings": "return [pp_ranks[0]]",
+}
+
+
+def test_every_megatron_line_the_table_names_holds_what_it_says():
+    from recipe.compare.conventions import ACTING
+
+    named = {a.key: a.megatron for a in ACTING if a.megatron}
+    assert set(named) == set(ACTING_QUOTES), "a new ACTING line needs its quote here"
+    for key, where in named.items():
+        assert citation_problem(where, ACTING_QUOTES[key]) is None, key
+
+
 def test_github_only_lists_exactly_the_github_citations():
     cited = set()
     for name, source, load_error in (p.values for p in CITATIONS):

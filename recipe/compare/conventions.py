@@ -56,6 +56,10 @@ class Acting:
     """At this run's layout the choice changes what is trained (compared with cp=1)."""
     how: str
     """Why, in megatron-core's terms."""
+    megatron: str = ""
+    """The megatron-core line that makes the setting matter (tests/test_conventions_upstream.py
+    reads it from the wheel), shown where the convention cites nothing for the key (the
+    recipe's own settings turned off)."""
 
 
 def _cp(run: Run) -> int:
@@ -74,24 +78,28 @@ ACTING: tuple[Acting, ...] = (
         lambda r: _on(r, "mtp.enabled") and _cp(r) > 1,
         "megatron-core's MTP roll slices each rank's slots at cu_seqlens_q // cp, which is the "
         "zigzag layout only for padded offsets",
+        "megatron-core==0.19.2 megatron/core/transformer/multi_token_prediction.py:249",
     ),
     Acting(
         "convention.mtp_loss_mask",
         lambda r: r.config.get("convention.mtp_loss_mask") == "all_ones",
         lambda r: _on(r, "mtp.enabled") and _cp(r) * _int(r, "parallel.tp") > 1,
         "the MTP loss counts padding, whose amount is set by the 2*cp*tp alignment",
+        "megatron-core==0.19.2 megatron/core/transformer/multi_token_prediction.py:825-826",
     ),
     Acting(
         "mtp.scaling",
         lambda r: r.config.get("mtp.scaling") == "upstream",
         lambda r: _on(r, "mtp.enabled") and _splits_tokens(r),
         "megatron-core weighs each rank's MTP loss by its own token counts",
+        "megatron-core==0.19.2 megatron/core/transformer/multi_token_prediction.py:876-886",
     ),
     Acting(
         "trainer.megatron.calculate_per_token_loss",
         lambda r: str(r.config.get("trainer.megatron.calculate_per_token_loss")).lower() == "false",
         _splits_tokens,
         "each rank's loss is divided by its own token count, then averaged over dp x cp ranks",
+        "megatron-core==0.19.2 megatron/core/pipeline_parallel/schedules.py:331-335",
     ),
     Acting(
         "trainer.megatron.sync_mtp_position_embeddings",
@@ -105,6 +113,7 @@ ACTING: tuple[Acting, ...] = (
         ),
         "the last stage's MTP copy of the position embeddings is in no gradient group with "
         "the first stage's",
+        "megatron-core==0.19.2 megatron/core/parallel_state.py:569-572",
     ),
     Acting(
         "cp.preprocess",
@@ -155,7 +164,8 @@ def _drift(c: Comparison) -> str:
 def _why(run: Run) -> str:
     lines = []
     for acting, cited in acting_choices(run):
-        where = "; ".join(f"`{s['where']}`" for s in cited if s.get("where")) or "no source cited"
+        places = [s["where"] for s in cited if s.get("where")] or [acting.megatron]
+        where = "; ".join(f"`{p}`" for p in places if p) or "no source cited"
         lines.append(f"`{acting.key}`: {acting.how} [{where}]")
     return "<br>".join(lines) or "-"
 
