@@ -12,7 +12,7 @@ from recipe.compare.conventions import (
     BEGIN,
     END,
     acting_choices,
-    conventions_table,
+    sweep_tables,
     table_rows,
     write_docs,
 )
@@ -167,7 +167,7 @@ def test_choices_act_only_where_megatron_core_makes_them_matter(tmp_path):
 def test_the_docs_table_is_replaced_between_its_markers(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(f"intro\n{BEGIN}\nold table\n{END}\noutro\n")
-    table = conventions_table(_sweep(tmp_path))
+    table = sweep_tables([("main", _sweep(tmp_path), [])])
     write_docs(table, page)
     text = page.read_text()
     assert "old table" not in text and "| bridge | cp=2 mtp=on | **FAIL**" in text

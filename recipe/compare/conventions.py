@@ -12,7 +12,7 @@ the comparison can tell a convention apart there.
 
 The sweep's callback writes `conventions.md` beside `parity_report.md` when a sweep trains a
 framework's convention (`uses_conventions`); `python -m recipe.compare.conventions SWEEP_DIR...
---write-docs` also refreshes the tables in docs/conventions.md, one per sweep.
+--write-docs` also refreshes the tables in docs/conventions.md, one per sweep (`sweep_tables`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipe.compare.diff import Comparison, compare_all
+from recipe.compare.jobs import recorded_jobs
 from recipe.compare.runs import Run, find_runs, flatten_config
 from recipe.names import FP32_RTOL
 from recipe.rundir.job_files import read_job_config, read_job_overrides
@@ -299,21 +300,18 @@ def choices_table(runs: list[Run]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def conventions_table(
-    runs: list[Run], rtol: float = FP32_RTOL, failed: list[tuple[Path, str]] = ()
+def sweep_tables(
+    sweeps: list[tuple[str, list[Run], list[tuple[Path, str]]]], rtol: float = FP32_RTOL
 ) -> str:
-    """The table of a sweep's runs and of its jobs that raised (`failed`: directory, error),
-    then each convention's choices with their upstream lines."""
-    verdicts = render(table_rows(compare_all(runs, rtol), failed), rtol)
-    return f"{verdicts}\n### The choices each convention makes\n\n{choices_table(runs)}"
-
-
-def failed_jobs(sweep_dir: Path) -> list[tuple[str, str]]:
-    """(output directory, error) of the sweep's jobs that raised, from the files its jobs
-    recorded (recipe/compare/sweep.py)."""
-    jobs = Path(sweep_dir) / ".jobs"
-    entries = [json.loads(p.read_text()) for p in sorted(jobs.glob("*.json"))]
-    return [(e["output_dir"], e["error"]) for e in entries if e.get("error")]
+    """One table per sweep (its name, its runs, the (directory, error) of its jobs that raised),
+    then each convention's choices with their upstream lines, once for all the sweeps."""
+    sections, every_run = [], []
+    for name, runs, failed in sweeps:
+        every_run += runs
+        rows = table_rows(compare_all(runs, rtol), failed)
+        sections.append(f"#### {name}\n\n{render(rows, rtol)}")
+    choices = f"#### The choices each convention makes\n\n{choices_table(every_run)}"
+    return "\n".join([*sections, choices])
 
 
 def uses_conventions(runs: list[Run]) -> bool:
@@ -346,15 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         "--write-docs", action="store_true", help=f"also refresh the table in {DOCS_PAGE.name}"
     )
     args = parser.parse_args(argv)
-    sections, every_run = [], []
-    for path in map(Path, args.paths):
-        runs = find_runs([path])
-        every_run += runs
-        failed = [(Path(d), e) for d, e in failed_jobs(path)]
-        rows = table_rows(compare_all(runs, args.rtol), failed)
-        sections.append(f"#### {path.name}\n\n{render(rows, args.rtol)}")
-    table = "\n".join(sections)
-    table += f"\n#### The choices each convention makes\n\n{choices_table(every_run)}"
+    sweeps = [(p.name, find_runs([p]), recorded_jobs(p)[1]) for p in map(Path, args.paths)]
+    table = sweep_tables(sweeps, args.rtol)
     print(table)
     if args.write_docs:
         write_docs(table)

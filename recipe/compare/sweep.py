@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import re
 import shutil
@@ -34,18 +33,13 @@ from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from recipe.compare.conventions import (
-    CONVENTIONS_FILE,
-    conventions_table,
-    failed_jobs,
-    uses_conventions,
-)
+from recipe.compare.conventions import CONVENTIONS_FILE, sweep_tables, uses_conventions
+from recipe.compare.jobs import JOBS_DIR, record_job, recorded_jobs
 from recipe.compare.report import PLOT_FILE, REPORT_FILE, write_report
 from recipe.compare.runs import find_runs
 from recipe.config import CompareConfig, ConfigError
 from recipe.environment import read_environment
 from recipe.rundir.layout import LOCK_FILE
-from recipe.rundir.metrics import has_metrics
 
 
 def count_sweep_jobs(config: DictConfig) -> int | None:
@@ -95,35 +89,6 @@ def error_summary(text: str) -> str:
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b[^ ]*: ")
 _FRAME_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
-
-
-JOBS_DIR = ".jobs"
-"""Under the sweep directory: one `<job number>.json` per finished job, written by the job."""
-
-
-def record_job(sweep_dir: Path, job_num: int, output_dir: Path, error: str | None) -> None:
-    """Note how a job ended, in a file of its own (jobs end concurrently under submitit)."""
-    jobs = sweep_dir / JOBS_DIR
-    jobs.mkdir(parents=True, exist_ok=True)
-    entry = {
-        "num": int(job_num),
-        "output_dir": str(output_dir),
-        "metrics": has_metrics(output_dir),
-        "error": error,
-    }
-    partial = jobs / f".{job_num}.json.partial"
-    partial.write_text(json.dumps(entry))
-    partial.replace(jobs / f"{job_num}.json")  # a reader never sees half an entry
-
-
-def recorded_jobs(sweep_dir: Path) -> tuple[list[Path], list[tuple[str, str]]]:
-    """The directories of jobs that wrote metrics and the (job, first error line) of failed
-    ones, in job order."""
-    entries = [json.loads(p.read_text()) for p in (sweep_dir / JOBS_DIR).glob("*.json")]
-    entries.sort(key=lambda e: e["num"])
-    job_dirs = [Path(e["output_dir"]) for e in entries if e["metrics"]]
-    failures = [(Path(e["output_dir"]).name, e["error"]) for e in entries if e["error"]]
-    return job_dirs, failures
 
 
 @contextlib.contextmanager
@@ -203,7 +168,7 @@ class ParityReportCallback(Callback):
             sweep_dir,
             rtol=float(self.compare_cfg.rtol),
             baseline=baseline,
-            failures=failures,
+            failures=[(path.name, error) for path, error in failures],
             noise_floor=self.compare_cfg.noise_floor,
             margin=float(self.compare_cfg.noise_margin),
         )
@@ -211,8 +176,8 @@ class ParityReportCallback(Callback):
         verdict = "all PASS" if passed else "some FAIL"
         print(f"parity report ({verdict}): {sweep_dir / REPORT_FILE}, {sweep_dir / PLOT_FILE}")
         if uses_conventions(runs):  # a row per convention (or ablation) and layout
-            failed = [(Path(d), e) for d, e in failed_jobs(sweep_dir)]
-            table = conventions_table(runs, float(self.compare_cfg.rtol), failed)
+            sweep = [(sweep_dir.name, runs, failures)]
+            table = sweep_tables(sweep, float(self.compare_cfg.rtol))
             (sweep_dir / CONVENTIONS_FILE).write_text(table)
             print(f"conventions table: {sweep_dir / CONVENTIONS_FILE}")
         return passed

@@ -35,6 +35,12 @@ def global_mtp_token_counts(lengths: list[int], num_layers: int) -> list[int]:
     return [sum(max(0, n - 2 - k) for n in lengths) for k in range(num_layers)]
 
 
+def mask_given_to_mtp(loss_mask: torch.Tensor, mtp_loss_mask: str) -> torch.Tensor:
+    """The mask megatron's MTP block rolls and counts: the loss mask, where the model call hands
+    it over (convention.mtp_loss_mask=passed), else all ones (process_mtp_loss's fallback)."""
+    return loss_mask if mtp_loss_mask == "passed" else torch.ones_like(loss_mask)
+
+
 def rolled_loss_masks(
     loss_mask: torch.Tensor, cu_seqlens_padded: torch.Tensor, num_layers: int
 ) -> torch.Tensor:

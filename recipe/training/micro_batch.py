@@ -22,7 +22,12 @@ import torch
 
 from recipe.data.packing import PackedBatch
 from recipe.model.gpt import packed_seq_params
-from recipe.model.mtp import MTPBackwardScales, captured_token_losses, take_mtp_loss_means
+from recipe.model.mtp import (
+    MTPBackwardScales,
+    captured_token_losses,
+    mask_given_to_mtp,
+    take_mtp_loss_means,
+)
 from recipe.model.numerics import autocast
 from recipe.training.step import LM, StepWork, mtp_report_name
 from recipe.training.tokens import token_rows
@@ -79,9 +84,7 @@ class MicroBatchPass:
         mtp = self.training and bool(work.global_mtp_tokens) and self.layout.is_last_stage
         if mtp:
             # megatron's original_num_tokens: the count of the mask its MTP block was given
-            given = batch.loss_mask
-            if cfg.convention.mtp_loss_mask == "all_ones":
-                given = torch.ones_like(batch.loss_mask)
+            given = mask_given_to_mtp(batch.loss_mask, cfg.convention.mtp_loss_mask)
             self.mtp_scales.prepare(
                 cfg.mtp.scaling,
                 work.global_predicted_tokens,

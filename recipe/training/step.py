@@ -18,7 +18,7 @@ from recipe.config.layout import ParallelLayout
 from recipe.data.batching import plan_micro_batches, split_across_ranks
 from recipe.data.packing import PackedBatch, attach_images, pack_sequences
 from recipe.data.thd import aligned_length
-from recipe.model.mtp import predicted_token_counts, rolled_loss_masks
+from recipe.model.mtp import mask_given_to_mtp, predicted_token_counts, rolled_loss_masks
 from recipe.parallel.cp.shard import shard_batch
 from recipe.training.preprocess import load_preprocess
 
@@ -86,8 +86,6 @@ def plan_step(
         plans = [[micro[::-1] for micro in plan] for plan in plans]
     mine = per_rank[layout.dp_rank]
     mtp_layers = cfg.mtp.num_layers if cfg.mtp.enabled else 0
-    # Without a loss mask megatron's MTP block rolls an all-ones mask: every padded slot counts
-    all_ones = cfg.convention.mtp_loss_mask == "all_ones"
     micro_batches = []
     loaded = load_preprocess(cfg.cp.preprocess) if layout.cp_size > 1 else None
     for micro in plans[layout.dp_rank]:
@@ -96,8 +94,8 @@ def plan_step(
         if image_token_id is not None:
             batch = attach_images(batch, chosen, image_token_id, cfg.image_grid)
         if mtp_layers:
-            counted = torch.ones_like(batch.loss_mask) if all_ones else batch.loss_mask
-            masks = rolled_loss_masks(counted, batch.cu_seqlens_padded, mtp_layers)
+            given = mask_given_to_mtp(batch.loss_mask, cfg.convention.mtp_loss_mask)
+            masks = rolled_loss_masks(given, batch.cu_seqlens_padded, mtp_layers)
             batch = batch.replace(mtp_mask=masks)
         local = shard_batch(
             batch,
@@ -110,7 +108,7 @@ def plan_step(
         )
         micro_batches.append(local.to(device))
     predicted, mtp_targets = predicted_token_counts(sequences, mtp_layers, image_token_id)
-    if all_ones:
+    if cfg.convention.mtp_loss_mask == "all_ones":  # megatron counts every padded slot then
         mtp_targets = [
             sum(max(0, aligned_length(n, alignment) - k - 1) for n in lengths)
             for k in range(mtp_layers)

@@ -207,7 +207,7 @@ def check_real_offsets(
     padded rows exactly zero and its padded keys without gradient (padding contributes
     nothing, as Transformer Engine's THD attention is documented to treat it)."""
     from recipe.checks.gpu.references import dense_causal_attention
-    from recipe.data.thd import cu_seqlens_from_lengths, padded_lengths
+    from recipe.data.thd import cu_seqlens_from_lengths, length_of_each_slot, padded_lengths
 
     heads, groups, dim = 8, 2, 64
     real = torch.tensor(list(lengths or [509, 37, 1021, 128, 250]))
@@ -217,11 +217,11 @@ def check_real_offsets(
     progress.at("attention with real offsets, forward and backward", real.tolist())
     (q, k, v), cu_padded = packed_qkv(padded.tolist(), heads, groups, dim, dtype, device)
     cu_real = cu_seqlens_from_lengths(real).to(device)
-    # the slots of the padded stream that hold a real token
-    offset_in_sequence = torch.arange(int(padded.sum())) - torch.repeat_interleave(
+    # the slots of the padded stream that hold a real token: each sequence's first `real` ones
+    slot_in_sequence = torch.arange(int(padded.sum())) - torch.repeat_interleave(
         cu_padded.cpu()[:-1].long(), padded
     )
-    is_real = (offset_in_sequence < torch.repeat_interleave(real, padded)).to(device)
+    is_real = (slot_in_sequence < length_of_each_slot(cu_real.cpu(), cu_padded.cpu())).to(device)
     ours = varlen_causal_attention(q, k, v, cu_padded, cu_seqlens=cu_real)
     grads_ours = torch.autograd.grad(ours[is_real].float().square().sum(), (q, k, v))
     rows = [t[is_real] for t in (q, k, v)]
