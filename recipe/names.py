@@ -35,6 +35,34 @@ SEQUENCE_ORDERS = ("data", "reversed")
 twin: the same math, summed in another order)."""
 """trainer.loss_spike.action: what the step guard does with a spike."""
 
+MUTANTS = (
+    "none",
+    "prefix_positions",
+    "local_arange_positions",
+    "chunk_local_positions",
+    "position_ids_contiguous",
+    "labels_rolled_after_split",
+    "back_chunk_label_off_by_one",
+    "labels_contiguous",
+    "loss_mask_contiguous",
+    "mtp_mask_contiguous",
+    "swapped_zigzag_chunks_last_rank",
+    "padding_in_loss",
+    "rank_local_loss",
+    "loss_scaled_by_cp",
+    "one_rank_loss_scale_3e-5",
+    "one_token_weight_5e-2",
+    "mtp_no_loss_mask",
+    "mtp_roll_real_offsets",
+    "mtp_local_counts",
+    "norm_grads_not_reduced_over_cp",
+    "position_embedding_grad_not_reduced",
+    "mtp_grads_not_reduced",
+    "weights_rounded_to_16_bits",
+)
+"""mutant.name: a broken copy of the CP/MTP/loss path, for the training mutation score
+(recipe/training/mutants.py, where each is described; `none` trains correctly)."""
+
 FP32_RTOL = 1e-5
 """Largest relative difference per step between two fp32 runs on CPU that passes parity."""
 NOISE_FLOORS = ("auto", "twin", "fixed")
@@ -42,6 +70,10 @@ NOISE_FLOORS = ("auto", "twin", "fixed")
 NOISE_MARGIN = 10.0
 """How far beyond its baseline's own fp32 drift (its noise twin's) a correct run may go. Measured
 on the default config (docs/comparing-runs.md, "The noise floor")."""
+ANCHOR_EVERY = 100
+"""compare.anchor_every's default: a long run's baseline keeps its state every this many steps."""
+ANCHOR_STEPS = 2
+"""compare.anchor_steps's default: steps each layout takes from an anchor's state."""
 FP32_TOKEN_ATOL = 1e-5
 """Largest absolute per-token loss difference between two fp32 runs on CPU that passes."""
 CUDA_FP32_TOKEN_ATOL = 5e-5

@@ -44,6 +44,10 @@ LAYOUT_KEYS = (
     # How 3-D positions reach the rope: a correct delivery changes nothing, so every variant is
     # judged against the reference run (which delivers them whole: see Run.is_reference_layout).
     "vision.positions",
+    # A training mutant claims to change nothing, like a layout: it is judged against the
+    # correct run (and a run with one is never a baseline: Run.is_reference_layout).
+    "mutant.name",
+    "mutant.onset",
 )
 
 
@@ -98,6 +102,9 @@ class Comparison:
     notes: list[str]
     floor: NoiseFloor | None = None
     """The baseline's noise floor the run was judged with; None: `rtol` on every step."""
+    anchors: list | None = None
+    """The anchored check's results (compare/anchors.py), one per anchor of the baseline; None
+    where the curves were judged at rtol alone (no floor widened the tolerance)."""
 
 
 def _correlation(xs: list[float], ys: list[float]) -> float | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from recipe.compare.anchors import ProbeFailed, first_failed, judge_anchors, needs_anchors
 from recipe.compare.diff import DEFAULT_METRICS, Comparison, compare_all, pick_baselines
 from recipe.compare.noise import (
     NoiseFloor,
@@ -22,7 +23,7 @@ from recipe.compare.noise import (
     twin_problem,
 )
 from recipe.compare.runs import Run
-from recipe.names import NOISE_MARGIN
+from recipe.names import FP32_TOKEN_ATOL, NOISE_MARGIN
 
 
 def _needs_twin(comparison: Comparison) -> bool:
@@ -41,9 +42,13 @@ def judge(
     metrics: tuple[str, ...] = DEFAULT_METRICS,
     train_twin: Callable[[Path], Path] | None = None,
     say: Callable[[str], None] = print,
+    train_probes: Callable[[Path, Path], None] | None = None,
+    token_atol: float = FP32_TOKEN_ATOL,
 ) -> list[Comparison]:
     """Compare every run with its baseline under `noise_floor` (see the module); `train_twin`
-    trains a baseline's twin into its directory (default: in a process of its own)."""
+    trains a baseline's twin into its directory (default: in a process of its own). Where a
+    floor widened a run's tolerance, the run is also judged at its baseline's anchors
+    (compare/anchors.py; `train_probes` trains its settings from them)."""
     if noise_floor == "fixed":
         return compare_all(runs, rtol, baseline, metrics)
     train_twin = train_twin or train_twin_process
@@ -92,4 +97,28 @@ def judge(
     for c in comparisons:
         if c.baseline is not None and c.baseline.path in untrainable:
             c.notes.append(untrainable[c.baseline.path])
+        if c.baseline is not None and needs_anchors(c.floor, metrics, rtol):
+            _check_anchors(c, rtol, token_atol, metrics, train_probes, say)
     return comparisons
+
+
+def _check_anchors(c: Comparison, rtol, token_atol, metrics, train_probes, say) -> None:
+    """Judge the run at its baseline's anchors: a failing anchor fails the run."""
+    say(f"anchored check of {c.run.path}: its settings from {c.baseline.path}'s anchors")
+    try:
+        results, note = judge_anchors(c.run, c.baseline, rtol, token_atol, metrics, train_probes)
+    except ProbeFailed as err:
+        c.notes.append(f"anchored check failed to run: {err}")
+        c.anchors, c.passed = [], False
+        return
+    if note:
+        c.notes.append(note)
+        return
+    c.anchors = results
+    failed = first_failed(results)
+    if failed is not None:
+        c.passed = False
+        c.notes.append(
+            f"anchored check FAILED at anchor {failed.step} (steps {failed.steps}): "
+            f"{failed.ratio:.3g}x its tolerance ({failed.note or failed.worst_metric})"
+        )

@@ -104,24 +104,31 @@ def twin_problem(baseline_dir: str | Path, logged_steps: int) -> str | None:
     return None
 
 
+def run_module_logged(module: str, args: list[str], directory: Path) -> str | None:
+    """Run `python -m module args` as a lone process of its own (even when a launched rank
+    asks), its console in `directory`'s train.log; returns None, or the log's last line and
+    where the log is when it failed."""
+    log = directory / LOG_FILE
+    with open(log, "w") as out:
+        done = subprocess.run(
+            [sys.executable, "-m", module, *args],
+            stdout=out,
+            stderr=out,
+            env=lone_process_environment(os.environ),
+        )
+    if done.returncode == 0:
+        return None
+    tail = log.read_text().strip().splitlines()[-1:] or ["(empty log)"]
+    return f"exit {done.returncode}: {tail[0]}; its log is {log}"
+
+
 def train_twin_process(baseline_dir: str | Path) -> Path:
     """Train the twin of `baseline_dir` anew, in a process of its own (a lone process even when
     a launched rank asks), its console in the twin's train.log; returns the twin's directory."""
     twin = noise_twin_dir(baseline_dir)
     shutil.rmtree(twin, ignore_errors=True)  # a twin cut short by an earlier failure
     twin.mkdir(parents=True)
-    log = twin / LOG_FILE
-    with open(log, "w") as out:
-        done = subprocess.run(
-            [sys.executable, "-m", TWIN_TRAINER, str(baseline_dir)],
-            stdout=out,
-            stderr=out,
-            env=lone_process_environment(os.environ),
-        )
-    if done.returncode != 0 or not metrics_path(twin).exists():
-        tail = log.read_text().strip().splitlines()[-1:] or ["(empty log)"]
-        raise TwinFailed(
-            f"the noise twin of {baseline_dir} did not train (exit {done.returncode}): "
-            f"{tail[0]}; its log is {log}"
-        )
+    failed = run_module_logged(TWIN_TRAINER, [str(baseline_dir)], twin)
+    if failed is not None or not metrics_path(twin).exists():
+        raise TwinFailed(f"the noise twin of {baseline_dir} did not train ({failed})")
     return twin

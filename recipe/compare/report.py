@@ -130,6 +130,19 @@ def render_markdown(
             *missed,
         ]
     notes += [f"- job {job} failed: {error}" for job, error in failures]
+    anchored = _anchor_rows(comparisons, labels)
+    if anchored:
+        lines += [
+            "",
+            "Anchored check: the run's settings and its baseline from the SAME state (the "
+            "baseline's anchor), the same steps, each step at rtol and each token at the "
+            "per-token atol; `worst / tolerance` > 1 fails:",
+            "",
+            "| run | anchor | steps | worst metric | max rel | per-token max abs | "
+            "worst / tolerance | verdict |",
+            "|---|---|---|---|---|---|---|---|",
+            *anchored,
+        ]
     floors = _floors(comparisons, metrics, rtol)
     if floors:
         lines += ["", "Tolerance per baseline:", *floors]
@@ -140,6 +153,20 @@ def render_markdown(
     passed = len([c for c in compared if c.passed and c.run.path.name not in crashed])
     lines += ["", f"{passed} passed, {len(failed)} failed"]
     return "\n".join(lines) + "\n"
+
+
+def _anchor_rows(comparisons: list[Comparison], labels) -> list[str]:
+    rows = []
+    for c in comparisons:
+        for a in c.anchors or []:
+            tokens = "n/a" if a.token_max_abs is None else f"{a.token_max_abs:.3g}"
+            verdict = "PASS" if a.passed else "**FAIL**" + (f" ({a.note})" if a.note else "")
+            rows.append(
+                f"| {labels[c.run.path]} | {a.step} | {a.steps[0]}-{a.steps[-1]} | "
+                f"{a.worst_metric or 'n/a'} | {a.worst_rel:.3g} | {tokens} | {a.ratio:.3g}x | "
+                f"{verdict} |"
+            )
+    return rows
 
 
 def _worst(c: Comparison):

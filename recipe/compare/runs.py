@@ -52,6 +52,7 @@ class Run:
             and int(self.config.get("parallel.tp", 1)) == 1
             and int(self.config.get("parallel.pp", 1)) == 1
             and self.config.get("vision.positions", "full_stream") == "full_stream"
+            and self.config.get("mutant.name", "none") == "none"
         )
 
 

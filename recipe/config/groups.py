@@ -10,6 +10,8 @@ from typing import Any
 from recipe.config.preprocess import check_preprocess_spelling
 from recipe.config.rules import one_of, positive, require
 from recipe.names import (
+    ANCHOR_EVERY,
+    ANCHOR_STEPS,
     ATTENTION_BACKENDS,
     CP_COMM_TYPES,
     CU_SEQLENS_Q,
@@ -18,6 +20,7 @@ from recipe.names import (
     FP32_RTOL,
     MTP_LOSS_MASKS,
     MTP_SCALINGS,
+    MUTANTS,
     NOISE_FLOORS,
     NOISE_MARGIN,
     NONFINITE_ACTIONS,
@@ -643,12 +646,46 @@ class CompareConfig:
     cluster, on the baseline's own node); fixed: rtol on every step."""
     noise_margin: float = NOISE_MARGIN
     """How many times the baseline's own drift a run may differ by (see docs/comparing-runs.md)."""
+    anchor_every: int = ANCHOR_EVERY
+    """A run longer than this keeps its state every this many steps and compare.anchor_steps
+    before its end (<run dir>/anchors/): where the noise floor has widened a run's tolerance, the
+    comparison trains the run's layout from each of its baseline's anchors for
+    compare.anchor_steps steps and judges them at rtol and per token (0: no anchors)."""
+    anchor_steps: int = ANCHOR_STEPS
+    """Steps both layouts take from an anchor's state (the first shows a wrong gradient in
+    grad_norm, the second its update in the loss)."""
 
     def __post_init__(self) -> None:
         positive("compare.rtol", self.rtol)
         positive("compare.noise_margin", self.noise_margin)
         one_of("compare.noise_floor", self.noise_floor, NOISE_FLOORS)
         require(
+            self.anchor_every >= 0,
+            f"compare.anchor_every must be >= 0 (0: no anchors), got {self.anchor_every}",
+        )
+        positive("compare.anchor_steps", self.anchor_steps)
+        require(
+            self.anchor_every == 0 or self.anchor_steps < self.anchor_every,
+            f"compare.anchor_steps={self.anchor_steps} must be below compare.anchor_every="
+            f"{self.anchor_every}: the steps taken from one anchor end before the next anchor",
+        )
+        require(
             self.baseline == "auto" or str(self.baseline).isdigit(),
             f"compare.baseline={self.baseline!r}: use auto or a job number such as 0",
         )
+
+
+@dataclass
+class MutantConfig:
+    """A deliberately broken copy of the CP/MTP/loss path (recipe/training/mutants.py): what the
+    training mutation score (experiment=training_mutants) proves the verdict catches."""
+
+    name: str = "none"
+    """none (train correctly) or a mutant of the catalogue (docs/mutants.md)."""
+    onset: int = 1
+    """The first step the mutant is active at (1: from the start; a late step: a bug that
+    starts late in a long run)."""
+
+    def __post_init__(self) -> None:
+        one_of("mutant.name", self.name, MUTANTS)
+        positive("mutant.onset", self.onset)

@@ -16,6 +16,7 @@ from recipe.config.groups import (
     LoggerConfig,
     ModelConfig,
     MTPConfig,
+    MutantConfig,
     OptimConfig,
     ParallelConfig,
     TrainerConfig,
@@ -41,6 +42,7 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
     convention: ConventionConfig = field(default_factory=ConventionConfig)
+    mutant: MutantConfig = field(default_factory=MutantConfig)
     output_dir: str | None = None
     """Where outputs go; set from Hydra's run directory by train.py."""
 

@@ -51,6 +51,7 @@ def twin_config(baseline_dir: str | Path) -> TrainConfig:
     trainer = cfg.trainer
     trainer.resume, trainer.requeue, trainer.progress_bar = None, False, False
     trainer.checkpoint_every, trainer.record_tokens, trainer.trace_steps = 0, [], []
+    cfg.compare.anchor_every = 0  # a twin is never a baseline: it keeps no anchors
     cfg.logger.wandb.mode = "disabled"
     return cfg
 

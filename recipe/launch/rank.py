@@ -53,7 +53,7 @@ def check_one_run_directory(per_rank: list[str | None]) -> None:
         )
 
 
-def _set_threads(local_world: int) -> None:
+def share_cores(local_world: int) -> None:
     """Ranks of one machine share its cores instead of each grabbing all of them."""
     if not cuda_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -71,7 +71,7 @@ def train(cfg: TrainConfig, checked: Preflight | None = None) -> dict:
     logger = NullLogger()
     try:
         check_one_run_directory(collectives.all_gather_objects(_absolute(cfg.output_dir)))
-        _set_threads(env.local_world_size)
+        share_cores(env.local_world_size)
         seed_model_parallel_rng(cfg.trainer.seed)
         if checked is None:
             checked = preflight(cfg, env.device)

@@ -11,6 +11,10 @@
               checkpoints/step_00000010.partial/  one being written (never read)
               checkpoints/set_aside/              checkpoints of an abandoned timeline
               noise_twin/               the same run, sequences reversed: its fp32 noise
+              anchors/step_00000100/    the run's state at an anchor (a checkpoint)
+              anchors/tokens/           per-token records of the steps after each anchor
+              anchor_probes/step_00000100/  this run's layout trained from its baseline's
+                                        anchor: metrics.jsonl and tokens/ (compare/anchors.py)
 
 A name changed here changes it for every reader and writer at once; the checkpoints of a run
 written before a change would no longer be found, so these names do not change lightly.
@@ -39,6 +43,11 @@ SET_ASIDE_DIR = "set_aside"
 NOISE_TWIN_DIR = "noise_twin"
 """A run directory of its own inside a baseline's: how far the baseline's own rounding carries
 it (recipe/compare/noise.py); never a run of the comparison itself."""
+
+ANCHORS_DIR = "anchors"
+"""The run's state at its anchors, kept for any run judged against it later."""
+ANCHOR_PROBES_DIR = "anchor_probes"
+"""This run's layout trained from its baseline's anchors: what the anchored check compares."""
 
 STEP_PREFIX = "step_"
 STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
@@ -91,3 +100,26 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 def noise_twin_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / NOISE_TWIN_DIR
+
+
+def anchors_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / ANCHORS_DIR
+
+
+def anchor_probe_dir(run_dir: str | Path, step: int | None = None) -> Path:
+    """`<run>/anchor_probes/` or, with `step`, the probe of the anchor at `step`."""
+    root = Path(run_dir) / ANCHOR_PROBES_DIR
+    return root if step is None else root / step_name(step)
+
+
+def anchor_states(run_dir: str | Path) -> dict[int, Path]:
+    """The complete anchor states a run kept, by step (a write cut short has no manifest)."""
+    root = anchors_dir(run_dir)
+    if not root.is_dir():
+        return {}
+    found = {step_of(p.name): p for p in root.iterdir() if p.is_dir()}
+    return {
+        step: path
+        for step, path in sorted((s, p) for s, p in found.items() if s is not None)
+        if (path / MANIFEST_FILE).exists()
+    }

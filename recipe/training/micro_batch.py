@@ -29,6 +29,7 @@ from recipe.model.mtp import (
     take_mtp_loss_means,
 )
 from recipe.model.numerics import autocast
+from recipe.training.mutants import step_local_count
 from recipe.training.step import LM, StepWork, mtp_report_name
 from recipe.training.tokens import token_rows
 
@@ -52,6 +53,7 @@ class MicroBatchPass:
         token_rows_out: list | None = None,
         trace=None,
         mtp_scales: MTPBackwardScales | None = None,
+        mutant=None,
     ):
         """`gradient_divisor`: what the engine divides every gradient by after backward
         (megatron's finalize_model_grads: the step's global token count with per-token losses;
@@ -70,6 +72,8 @@ class MicroBatchPass:
         self.trace = trace
         self.mtp_scales = mtp_scales if mtp_scales is not None else MTPBackwardScales()
         self.names = work.report_names if training else [LM]  # evaluation: no MTP
+        self.mutant = mutant if training else None
+        """The training mutant active this step (recipe/training/mutants.py), or None."""
 
     def forward(self, index: int, model):
         """Micro-batch `index` through `model` (this rank's stage of it): the model's raw output
@@ -85,10 +89,14 @@ class MicroBatchPass:
         if mtp:
             # megatron's original_num_tokens: the count of the mask its MTP block was given
             given = mask_given_to_mtp(batch.loss_mask, cfg.convention.mtp_loss_mask)
+            counts = work.global_mtp_counts
+            if self.mutant is not None and self.mutant.mtp_counts is not None:
+                mine = sum(b.mtp_mask.sum(-1).double() for b in work.micro_batches)
+                counts = self.mutant.mtp_counts(counts, mine, self.layout)
             self.mtp_scales.prepare(
                 cfg.mtp.scaling,
                 work.global_predicted_tokens,
-                work.global_mtp_counts,
+                counts,
                 given.sum(),
                 batch.mtp_mask.sum(-1),
                 self.gradient_divisor,
@@ -107,7 +115,7 @@ class MicroBatchPass:
             ) as captured,
             autocast(batch.input_ids.device, self.precision),
         ):
-            output = _model_call(batch, model, cfg)
+            output = _model_call(batch, model, cfg, self.mutant)
         if mtp:
             self.mtp_scales.confirm_taken()
         return output, functools.partial(self.loss, index, captured)
@@ -121,6 +129,10 @@ class MicroBatchPass:
             mtp_means = take_mtp_loss_means(batch.mtp_mask.shape[0]).to(output.device)
         per_token_loss = output.squeeze(0)
         loss_sum, num_tokens, report = _loss_and_report(batch, per_token_loss, mtp_means)
+        if self.mutant is not None and self.mutant.backward is not None:  # the report stays
+            loss_sum = self.mutant.backward(
+                loss_sum, per_token_loss, batch, step_local_count(self.work), self.work, self.layout
+            )
         if captured is not None:
             mtp_losses = captured[:-1]  # megatron computes the MTP depths' losses first
             self.token_rows_out.append(
@@ -170,7 +182,7 @@ def run_micro_batch(
     )
 
 
-def _model_call(batch: PackedBatch, model, cfg) -> torch.Tensor:
+def _model_call(batch: PackedBatch, model, cfg, mutant=None) -> torch.Tensor:
     """The model call for one packed micro-batch: [1, T] per-token losses from the last (or only)
     pipeline stage, hidden states from the others. `cfg.convention` decides what megatron is
     handed: which offsets go in cu_seqlens_q, and whether its MTP block gets the loss mask."""
@@ -179,12 +191,14 @@ def _model_call(batch: PackedBatch, model, cfg) -> torch.Tensor:
         kwargs["loss_mask"] = batch.loss_mask.unsqueeze(0)  # megatron rolls it per MTP layer
     if batch.images is not None:
         kwargs["batch"] = batch  # images, their slots and the stream for the 3-D positions
+    kwargs["packed_seq_params"] = packed_seq_params(batch, cfg.convention.cu_seqlens_q)
+    if mutant is not None and mutant.model_call is not None:
+        kwargs = mutant.model_call(kwargs, batch)
     return model(
         input_ids=batch.input_ids.unsqueeze(0),
         position_ids=batch.position_ids.unsqueeze(0) if cfg.passes_position_ids else None,
         attention_mask=None,
         labels=batch.labels.unsqueeze(0),
-        packed_seq_params=packed_seq_params(batch, cfg.convention.cu_seqlens_q),
         **kwargs,
     )
 

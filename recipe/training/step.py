@@ -69,10 +69,12 @@ def plan_step(
     device: torch.device,
     check_preprocess: bool = False,
     image_token_id: int | None = None,
+    mutant=None,
 ) -> StepWork:
     """Split a step across DP ranks, into micro-batches, and shard each for this CP rank
     (checking a user's cp.preprocess function on them when `check_preprocess`). With
-    `image_token_id` (vision), the sequences carry images that travel with their micro-batch."""
+    `image_token_id` (vision), the sequences carry images that travel with their micro-batch.
+    `mutant`: the training mutant active this step (recipe/training/mutants.py), or None."""
     lengths = [len(s) for s in sequences]
     alignment = cfg.alignment
     per_rank = split_across_ranks(lengths, layout.dp_size, alignment)
@@ -106,6 +108,8 @@ def plan_step(
             check=check_preprocess,
             loaded=loaded,
         )
+        if mutant is not None and mutant.local is not None and layout.cp_size > 1:
+            local = mutant.local(batch, local, layout.cp_size, layout.cp_rank)
         micro_batches.append(local.to(device))
     predicted, mtp_targets = predicted_token_counts(sequences, mtp_layers, image_token_id)
     if cfg.convention.mtp_loss_mask == "all_ones":  # megatron counts every padded slot then

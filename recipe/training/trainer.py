@@ -40,7 +40,7 @@ from recipe.model.numerics import (
     resolve_precision,
 )
 from recipe.parallel import collectives, groups
-from recipe.rundir.layout import checkpoints_dir
+from recipe.rundir.layout import anchors_dir, checkpoints_dir
 from recipe.rundir.tokens import write_token_records
 from recipe.rundir.traces import write_trace
 from recipe.training.engines import build_engine, engine_class
@@ -48,6 +48,7 @@ from recipe.training.guard import StepGuard
 from recipe.training.loggers import NullLogger
 from recipe.training.metrics import StepMetrics, mtp_layer_means, optimised_loss, summarize
 from recipe.training.micro_batch import MicroBatchPass
+from recipe.training.mutants import active_mutant, wrap_reduction
 from recipe.training.preemption import Preempted, StopRequests
 from recipe.training.step import StepWork, plan_step
 from recipe.training.throughput import (
@@ -124,8 +125,25 @@ class Trainer:
         """Judges each step before its update (non-finite values, spikes)."""
         self.stop_reason: str | None = None
         """Set by a step the guard stops the run at, once that step is logged."""
+        self.token_dir = cfg.output_dir
+        """Where `trainer.record_tokens` steps write their per-token records."""
+        self.record_steps = set(cfg.trainer.record_tokens)
+        self.anchor_points: list[int] = []
+        """Steps whose state this run keeps for the anchored check (compare.anchor_every)."""
+        self.anchor_dir = None
+        if cfg.output_dir:
+            c = cfg.compare
+            self.anchor_points = anchor_points(
+                cfg.trainer.max_steps, c.anchor_every, c.anchor_steps
+            )
+            self.anchor_dir = anchors_dir(cfg.output_dir)
+        self.anchor_record_steps = {
+            a + k for a in self.anchor_points for k in range(1, cfg.compare.anchor_steps + 1)
+        }
 
-    def _plan(self, sequences: list[list[int]], check_preprocess: bool = False) -> StepWork:
+    def _plan(
+        self, sequences: list[list[int]], check_preprocess: bool = False, mutant=None
+    ) -> StepWork:
         return plan_step(
             sequences,
             self.cfg,
@@ -134,7 +152,16 @@ class Trainer:
             self.device,
             check_preprocess,
             self.corpus.image_token_id,
+            mutant,
         )
+
+    def _token_dirs(self, step: int) -> list:
+        """Where step `step`'s per-token records go: the run's records (trainer.record_tokens)
+        and its anchors' (the steps after each anchor)."""
+        dirs = [self.token_dir] if step in self.record_steps else []
+        if step in self.anchor_record_steps:
+            dirs.append(self.anchor_dir)
+        return dirs
 
     def train(self) -> dict:
         """Train up to trainer.max_steps; returns {"summary": ..., "history": [records]}."""
@@ -158,6 +185,8 @@ class Trainer:
                     )
                 with self._collectives_in("the end-of-step signal check"):
                     signum = collectives.max_over_ranks(stop.signum, self.device)
+                if self.step in self.anchor_points:
+                    self.save_anchor()
                 checkpoint = None
                 if signum or self._checkpoint_due():
                     checkpoint = self.save_checkpoint()
@@ -181,19 +210,29 @@ class Trainer:
         """One optimizer step on the next step of data (and an eval when one is due)."""
         step_start = time.perf_counter()
         self.step += 1
-        work = self._plan(next(self.steps), self.step <= self.cfg.cp.check_steps)
+        mutant = active_mutant(self.cfg, self.step)
+        if mutant is not None and mutant.weights is not None:
+            mutant.weights(self.model)
+        work = self._plan(next(self.steps), self.step <= self.cfg.cp.check_steps, mutant)
         lr = self.engine.begin_step(self.step)
         mtp_counts = work.global_mtp_tokens
-        token_rows_of_step = [] if self.step in self.cfg.trainer.record_tokens else None
+        token_dirs = self._token_dirs(self.step)
+        token_rows_of_step = [] if token_dirs else None
         trace = None
         if self.step in self.cfg.trainer.trace_steps:
             trace = ActivationTrace(self.model, self.layout)
-        with self._collectives_in("the forward/backward pass (CP, TP, PP and MTP exchanges)"):
-            totals = self.forward_backward_step(work, token_rows_of_step, trace)
-        if token_rows_of_step is not None:
-            self._write_token_records(token_rows_of_step)
-        with self._collectives_in("the gradient all-reduce"):
-            self.engine.reduce_gradients()
+        undo = lambda: None  # noqa: E731
+        if mutant is not None and mutant.unreduced is not None:
+            undo = wrap_reduction(self.engine, self.model, mutant, work)
+        try:
+            with self._collectives_in("the forward/backward pass (CP, TP, PP and MTP exchanges)"):
+                totals = self.forward_backward_step(work, token_rows_of_step, trace, mutant)
+            for directory in token_dirs:
+                self._write_token_records(token_rows_of_step, directory)
+            with self._collectives_in("the gradient all-reduce"):
+                self.engine.reduce_gradients()
+        finally:
+            undo()
         if trace is not None:  # gradients summed over ranks, before clipping scales them
             self._write_trace(trace.close())
         with self._collectives_in("the gradient all-reduce"):
@@ -259,7 +298,9 @@ class Trainer:
                 f"(trainer.collective_timeout_s={timeout:g}). gloo: {str(err).splitlines()[0]}"
             ) from None
 
-    def forward_backward_step(self, work: StepWork, token_rows_out: list | None = None, trace=None):
+    def forward_backward_step(
+        self, work: StepWork, token_rows_out: list | None = None, trace=None, mutant=None
+    ):
         """Forward and backward over this rank's micro-batches on the run's engine; returns the
         step's report totals on this rank, [name, (sum, count)] in `work.report_names` order, on
         the device (zeros on pipeline stages without the loss). With `token_rows_out`, each
@@ -274,6 +315,7 @@ class Trainer:
             token_rows_out=token_rows_out,
             trace=trace,
             mtp_scales=self.mtp_scales,
+            mutant=mutant,
         )
         return self.engine.forward_backward(micro)
 
@@ -313,13 +355,13 @@ class Trainer:
             )
         return loss_sum / expected
 
-    def _write_token_records(self, rows: list[torch.Tensor]) -> None:
+    def _write_token_records(self, rows: list[torch.Tensor], directory) -> None:
         names = token_columns(self.cfg.mtp.num_layers if self.cfg.mtp.enabled else 0)
         mine = torch.cat(rows) if rows else torch.zeros(0, len(names), dtype=torch.float64)
         with self._collectives_in("the per-token record gather"):
             parts = collectives.gather_to_main(mine)
-        if self.layout.is_main and self.cfg.output_dir:
-            write_token_records(self.cfg.output_dir, self.step, parts, names)
+        if self.layout.is_main and directory:
+            write_token_records(directory, self.step, parts, names)
 
     def _write_trace(self, mine: dict) -> None:
         with self._collectives_in("the trace gather"):
@@ -369,6 +411,19 @@ class Trainer:
             self.cfg.trainer.checkpoint_keep,
         )
 
+    def save_anchor(self) -> Path:
+        """Keep this step's state as an anchor (every rank takes part): a checkpoint in
+        <run dir>/anchors/, never pruned, which a run judged against this one starts from."""
+        tensors, manifest = self.checkpoint()
+        return save_checkpoint(
+            self.anchor_dir, self.step, tensors, manifest, self.layout.is_main, keep=2**31
+        )
+
+    def start_from(self, checkpoint: Path) -> None:
+        """Take over another run's state at a step (an anchor of the baseline, written at any
+        layout) whatever its settings: the anchored check trains this run's settings from it."""
+        self._resume(read_tensors(checkpoint), read_manifest(checkpoint), f"anchor {checkpoint}")
+
     def restore(self, checkpoint: Path) -> list[str]:
         """Continue from a checkpoint written at any layout; returns the allowed settings that
         changed since (`key: old -> new`)."""
@@ -401,6 +456,16 @@ class Trainer:
         self.step = int(manifest["step"])
         self.history = list(manifest["history"])
         self.guard.rebuild(self.history)
+
+
+def anchor_points(max_steps: int, every: int, steps: int) -> list[int]:
+    """The anchors of a run of `max_steps` steps: every `every` steps and the last one from
+    which `steps` steps still fit, for runs longer than `every` (0: none)."""
+    if not every or max_steps <= every:
+        return []
+    points = {a for a in range(every, max_steps - steps + 1, every)}
+    points.add(max_steps - steps)
+    return sorted(p for p in points if p >= 1)
 
 
 def pipeline_sum(totals: torch.Tensor, layout) -> torch.Tensor:
