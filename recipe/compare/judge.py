@@ -24,6 +24,7 @@ from recipe.compare.noise import (
 )
 from recipe.compare.runs import Run
 from recipe.names import FP32_TOKEN_ATOL, NOISE_MARGIN
+from recipe.rundir.layout import anchor_states
 
 
 def _needs_twin(comparison: Comparison) -> bool:
@@ -46,9 +47,10 @@ def judge(
     token_atol: float = FP32_TOKEN_ATOL,
 ) -> list[Comparison]:
     """Compare every run with its baseline under `noise_floor` (see the module); `train_twin`
-    trains a baseline's twin into its directory (default: in a process of its own). Where a
-    floor widened a run's tolerance, the run is also judged at its baseline's anchors
-    (compare/anchors.py; `train_probes` trains its settings from them)."""
+    trains a baseline's twin into its directory (default: in a process of its own). A run whose
+    baseline kept anchors is also judged at each of them (compare/anchors.py; `train_probes`
+    trains its settings from them); where a floor widened the tolerance and the baseline kept
+    none, a note says the verdict lost that power."""
     if noise_floor == "fixed":
         return compare_all(runs, rtol, baseline, metrics)
     train_twin = train_twin or train_twin_process
@@ -97,7 +99,9 @@ def judge(
     for c in comparisons:
         if c.baseline is not None and c.baseline.path in untrainable:
             c.notes.append(untrainable[c.baseline.path])
-        if c.baseline is not None and needs_anchors(c.floor, metrics, rtol):
+        if c.baseline is None:
+            continue
+        if anchor_states(c.baseline.path) or needs_anchors(c.floor, metrics, rtol):
             _check_anchors(c, rtol, token_atol, metrics, train_probes, say)
     return comparisons
 
