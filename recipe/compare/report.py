@@ -186,6 +186,66 @@ def _spikes(run) -> str:
     return f"{len(flagged)} spike step(s) flagged by the step guard (steps {steps}{tail})"
 
 
+def _first_failure(c: Comparison, crashed: dict) -> tuple[str, str]:
+    """Where a mutant run was caught, and by how much: the job's error, the first failing
+    anchor, or the curves' worst step."""
+    if c.run.path.name in crashed:
+        return "job failed", crashed[c.run.path.name][:120]
+    failed = next((a for a in c.anchors or [] if not a.passed), None)
+    worst = _worst(c)
+    if worst is not None and worst.worst_ratio is not None and worst.worst_ratio > 1:
+        return f"curves, worst at step {worst.worst_step} ({worst.metric})", f"{worst.worst_ratio:.3g}x"
+    if failed is not None:
+        return f"anchor {failed.step} ({failed.worst_metric})", f"{failed.ratio:.3g}x"
+    if c.passed is False:
+        return "notes", "; ".join(c.notes)[:120]
+    margin = f"{worst.worst_ratio:.3g}x" if worst and worst.worst_ratio is not None else "n/a"
+    return "-", margin
+
+
+def render_mutation_score(
+    comparisons: list[Comparison], failures: list[tuple[str, str]] = ()
+) -> tuple[str, bool]:
+    """The training mutation score of a sweep with `mutant.name` runs: one row per mutant run
+    (caught when its verdict FAILs), the correct runs beside them (which must PASS); the last
+    line is `training mutation score: N/M caught`. Returns (text, every mutant caught and every
+    correct run passed)."""
+    crashed = dict(failures)
+    rows, caught, total, correct_ok = [], 0, 0, True
+    for c in comparisons:
+        if c.baseline is None:
+            continue
+        name = str(c.run.config.get("mutant.name", "none"))
+        onset = c.run.config.get("mutant.onset", 1)
+        cp = c.run.config.get("cp.size")
+        where, margin = _first_failure(c, crashed)
+        failed = c.passed is False or c.run.path.name in crashed
+        if name == "none":
+            correct_ok = correct_ok and not failed
+            verdict = "**FAIL** (a correct run)" if failed else "PASS (correct run)"
+        else:
+            total += 1
+            caught += failed
+            verdict = "caught" if failed else "**MISSED**"
+        rows.append(
+            f"| {c.run.path.name} | {name} | {cp} | {onset} | {where} | {margin} | {verdict} |"
+        )
+    lines = [
+        "# Training mutation score",
+        "",
+        "Each mutant run against its correct baseline: caught when the verdict (curves, anchors, "
+        "per-token) FAILs it; the correct runs must PASS.",
+        "",
+        "| job | mutant | cp | onset | caught by | margin | verdict |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"training mutation score: {caught}/{total} caught",
+    ]
+    return "\n".join(lines) + "\n", caught == total and correct_ok
+
+
+MUTATION_FILE = "mutation_report.md"
 REPORT_FILE = "parity_report.md"
 PLOT_FILE = "loss_curves.png"
 
@@ -220,4 +280,9 @@ def write_report(
         report += "\n## Per-token parity\n\n" + "\n\n".join(token_sections) + "\n"
     (out_dir / REPORT_FILE).write_text(report)
     plot_comparisons(comparisons, out_dir / PLOT_FILE, title=str(out_dir))
+    if any(r.config.get("mutant.name", "none") != "none" for r in runs):
+        # a mutant sweep passes when every mutant FAILs and every correct run PASSES
+        score, scored = render_mutation_score(comparisons, failures)
+        (out_dir / MUTATION_FILE).write_text(score)
+        return report + "\n" + score, scored
     return report, all_passed(comparisons) and not failures and tokens_passed

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipe.compare.conventions import CONVENTIONS_FILE, sweep_tables, uses_conventions
 from recipe.compare.jobs import JOBS_DIR, record_job, recorded_jobs
-from recipe.compare.report import PLOT_FILE, REPORT_FILE, write_report
+from recipe.compare.report import MUTATION_FILE, PLOT_FILE, REPORT_FILE, write_report
 from recipe.compare.runs import find_runs
 from recipe.config import CompareConfig, ConfigError
 from recipe.environment import read_environment
@@ -114,7 +114,7 @@ class ParityReportCallback(Callback):
             raise SystemExit(2) from None
         self.sweep_dir = Path(config.hydra.sweep.dir)
         shutil.rmtree(self.sweep_dir / JOBS_DIR, ignore_errors=True)
-        for name in (REPORT_FILE, PLOT_FILE, CONVENTIONS_FILE):
+        for name in (REPORT_FILE, PLOT_FILE, CONVENTIONS_FILE, MUTATION_FILE):
             # A reused sweep directory must not show an old verdict if this sweep ends early.
             (self.sweep_dir / name).unlink(missing_ok=True)
 

@@ -1,0 +1,1 @@
+"""The recipe's Hydra sweepers."""

@@ -1,0 +1,136 @@
+"""The training mutation catalogue and the anchored check that keeps a long run's verdict able to
+see a bug that starts late (docs/comparing-runs.md, docs/mutants.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hydra_plugins.recipe_sweepers.catalogue import catalogue_job
+from recipe.config import ConfigError, TrainConfig
+from recipe.config.groups import CompareConfig, MutantConfig
+from recipe.data.packing import pack_sequences
+from recipe.names import MUTANTS
+from recipe.parallel.cp.shard import shard_batch
+from recipe.training.mutants import CATALOGUE
+from recipe.training.trainer import anchor_points
+from tests.helpers.cli import run_train_cli
+from tests.helpers.config import ROOT
+
+
+def test_anchor_points_every_n_steps_and_the_last_that_fits():
+    assert anchor_points(500, 100, 2) == [100, 200, 300, 400, 498]
+    assert anchor_points(24, 10, 2) == [10, 20, 22]
+    assert anchor_points(100, 100, 2) == []  # a run no longer than anchor_every keeps none
+    assert anchor_points(2000, 0, 2) == []
+
+
+def test_the_catalogue_has_twenty_mutants_each_named_after_an_upstream_bug():
+    assert set(CATALOGUE) == set(MUTANTS) - {"none"}
+    assert len(CATALOGUE) >= 20
+    for mutant in CATALOGUE.values():
+        assert len(mutant.modelled_on) > 20, mutant.name
+        hooks = [mutant.local, mutant.backward, mutant.model_call, mutant.mtp_counts]
+        hooks += [mutant.unreduced, mutant.weights]
+        assert sum(h is not None for h in hooks) == 1, mutant.name
+
+
+def _packed(cp: int):
+    sequences = [list(range(1, 1 + n)) for n in (13, 29, 7)]
+    batch = pack_sequences(sequences, 2 * cp, pad_id=0)
+    masks = torch.stack([batch.loss_mask, batch.loss_mask])
+    return batch.replace(mtp_mask=masks)
+
+
+LOCAL = [m for m in CATALOGUE.values() if m.local is not None]
+
+
+@pytest.mark.parametrize("mutant", LOCAL, ids=lambda m: m.name)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_each_sharding_mutant_breaks_the_local_batch_and_keeps_its_shapes(mutant, cp):
+    batch = _packed(cp)
+    changed = False
+    for rank in range(cp):
+        right = shard_batch(batch, cp, rank)
+        broken = mutant.local(batch, right, cp, rank)
+        for name, tensor in right.per_token().items():
+            assert getattr(broken, name).shape == tensor.shape, name
+            changed |= not torch.equal(getattr(broken, name), tensor)
+    assert changed, f"{mutant.name} left every rank's micro-batch as it was"
+
+
+def test_a_mutant_outside_the_catalogue_and_anchors_that_overlap_are_refused():
+    with pytest.raises(ConfigError, match="mutant.name='typo' is not valid"):
+        MutantConfig(name="typo")
+    with pytest.raises(ConfigError, match="mutant.onset must be > 0"):
+        MutantConfig(onset=0)
+    with pytest.raises(ConfigError, match="anchor_steps=5 must be below"):
+        CompareConfig(anchor_every=5, anchor_steps=5)
+    assert TrainConfig().mutant.name == "none"
+
+
+def test_the_catalogue_sweep_keeps_the_baseline_and_the_mutants_at_cp_above_one():
+    assert catalogue_job(["cp='1'", "mutant.name=none", "mutant.onset=1"])
+    assert not catalogue_job(["cp='1'", "mutant.name=rank_local_loss", "mutant.onset=1"])
+    assert not catalogue_job(["cp='2'", "mutant.name=none", "mutant.onset=451"])
+    assert catalogue_job(["cp='2'", "mutant.name=rank_local_loss", "mutant.onset=451"])
+
+
+@pytest.mark.launches
+def test_a_bug_that_starts_late_fails_at_an_anchor_however_wide_the_floor(tmp_path):
+    """A 24-step catalogue slice whose floor is widened a million times (as a long run's is):
+    the curves cannot see rank_local_loss from step 21, the anchor at step 20 does; the correct
+    cp=2 run passes every anchor. Without the baseline's anchors the same run PASSES: the
+    anchors are what catch it."""
+    sweep = tmp_path / "sweep"
+    done = run_train_cli(
+        [
+            "experiment=training_mutants",
+            "mutant.name=none,rank_local_loss",
+            "cp='1','2'",
+            "mutant.onset=21",
+            "trainer.max_steps=24",
+            "compare.anchor_every=10",
+            "compare.noise_margin=1e6",
+            f"hydra.sweep.dir={sweep}",
+            "-m",  # after the overrides: argparse cannot interleave it with them
+        ],
+        cwd=tmp_path,
+        timeout=600,
+    )
+    score = (sweep / "mutation_report.md").read_text()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert score.strip().splitlines()[-1] == "training mutation score: 1/1 caught"
+    assert "| rank_local_loss | 2 | 21 | anchor 20 (grad_norm) |" in score
+    assert "PASS (correct run)" in score
+    report = (sweep / "parity_report.md").read_text()
+    assert "| 0 | 20 | 21-22 |" not in report  # the baseline is not judged against itself
+    rows = [line for line in report.splitlines() if line.startswith("| 1: ")]
+    assert len(rows) == 1 + 3 and all("PASS" in r for r in rows), rows  # its 3 anchors pass
+
+    # the negative control: the same run, judged without the baseline's anchors
+    import shutil
+
+    shutil.rmtree(sweep / "0" / "anchors")
+    shutil.rmtree(sweep / "2" / "anchor_probes")
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recipe.compare",
+            str(sweep / "2"),
+            "--baseline",
+            str(sweep / "0"),
+            "--noise-margin",
+            "1e6",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stdout
+    assert "no anchored check: the baseline 0 kept no anchors" in again.stdout
