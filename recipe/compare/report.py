@@ -194,7 +194,10 @@ def _first_failure(c: Comparison, crashed: dict) -> tuple[str, str]:
     failed = next((a for a in c.anchors or [] if not a.passed), None)
     worst = _worst(c)
     if worst is not None and worst.worst_ratio is not None and worst.worst_ratio > 1:
-        return f"curves, worst at step {worst.worst_step} ({worst.metric})", f"{worst.worst_ratio:.3g}x"
+        return (
+            f"curves, worst at step {worst.worst_step} ({worst.metric})",
+            f"{worst.worst_ratio:.3g}x",
+        )
     if failed is not None:
         return f"anchor {failed.step} ({failed.worst_metric})", f"{failed.ratio:.3g}x"
     if c.passed is False:
