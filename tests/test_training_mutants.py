@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from hydra_plugins.recipe_sweepers.catalogue import catalogue_job
+from hydra_plugins.recipe_launchers.catalogue_sweeper import catalogue_job
 from recipe.config import ConfigError, TrainConfig
 from recipe.config.groups import CompareConfig, MutantConfig
 from recipe.data.packing import pack_sequences

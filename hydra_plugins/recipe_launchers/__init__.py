@@ -1,1 +1,1 @@
-"""The recipe's Hydra launchers (submitit sweeps sized per job)."""
+"""The recipe's Hydra plugins: submitit launchers sized per job, the catalogue sweeper."""

@@ -14,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 
 @dataclass
 class CatalogueSweeperConf(BasicSweeperConf):
-    _target_: str = "hydra_plugins.recipe_sweepers.catalogue.CatalogueSweeper"
+    _target_: str = "hydra_plugins.recipe_launchers.catalogue_sweeper.CatalogueSweeper"
 
 
 ConfigStore.instance().store(

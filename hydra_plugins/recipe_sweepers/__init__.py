@@ -1,1 +1,0 @@
-"""The recipe's Hydra sweepers."""
