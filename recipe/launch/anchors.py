@@ -15,46 +15,32 @@ by the comparison (`python -m recipe.launch.anchors RUN_DIR BASELINE_DIR`, its c
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from recipe.config import ConfigError, TrainConfig
+from recipe.launch.noise_twin import helper_config, helper_main
 from recipe.names import ANCHOR_STEPS
 from recipe.rundir.job_files import read_job_config
 from recipe.rundir.layout import (
     anchor_probe_dir,
     anchor_states,
-    config_path,
     metrics_path,
     step_name,
 )
 
 
 def probe_config(run_dir: str | Path) -> TrainConfig:
-    """The run's recorded config, writing into its anchor_probes/, keeping nothing but what the
-    check reads (no checkpoints, anchors, traces or wandb)."""
-    from recipe.launch.task import to_typed
-
-    raw = read_job_config(run_dir)
-    if raw is None:
-        raise ConfigError(
-            f"{run_dir} has no {config_path(run_dir).relative_to(run_dir)}: its layout cannot be "
-            "trained from the baseline's anchors"
-        )
-    raw.pop("output_dir", None)
-    cfg = to_typed(OmegaConf.create(raw))
-    cfg.output_dir = str(anchor_probe_dir(run_dir))
-    trainer = cfg.trainer
-    trainer.resume, trainer.requeue, trainer.progress_bar = None, False, False
-    trainer.checkpoint_every, trainer.record_tokens, trainer.trace_steps = 0, [], []
-    trainer.eval_every = 0
-    cfg.compare.anchor_every = 0
-    cfg.logger.wandb.mode = "disabled"
+    """The run's recorded config, writing into its anchor_probes/ (see `helper_config`), with
+    no evaluation between the anchors' steps."""
+    cfg = helper_config(
+        run_dir,
+        anchor_probe_dir(run_dir),
+        "its layout cannot be trained from the baseline's anchors",
+    )
+    cfg.trainer.eval_every = 0
     return cfg
 
 
@@ -129,19 +115,7 @@ def _probe_worker(cfg: TrainConfig, baseline: tuple[str, int]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from recipe.log import quiet_libraries
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    quiet_libraries()
-    if len(argv) != 2:
-        print("usage: python -m recipe.launch.anchors RUN_DIR BASELINE_DIR", file=sys.stderr)
-        return 2
-    try:
-        probe_here(argv[0], argv[1])
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return helper_main(argv, "recipe.launch.anchors", ["RUN_DIR", "BASELINE_DIR"], probe_here)
 
 
 if __name__ == "__main__":

@@ -33,26 +33,37 @@ def is_sweep_baseline(cfg: TrainConfig, job_num: int) -> bool:
     return cfg.world_size == 1 and cfg.vision.positions == "full_stream"
 
 
-def twin_config(baseline_dir: str | Path) -> TrainConfig:
-    """The baseline's recorded config with the other sequence order, writing into the twin's
-    directory, and nothing that only costs time (checkpoints, per-token records, traces, wandb)."""
+def helper_config(run_dir: str | Path, output_dir: str | Path, refusal: str) -> TrainConfig:
+    """A run's recorded config for a helper run of it (its noise twin, its anchored check),
+    writing into `output_dir`, and nothing that only costs time (checkpoints, anchors, per-token
+    records, traces, wandb); `refusal` says what cannot be done when the run recorded none."""
     from recipe.launch.task import to_typed
 
-    raw = read_job_config(baseline_dir)
+    raw = read_job_config(run_dir)
     if raw is None:
         raise ConfigError(
-            f"{baseline_dir} has no {config_path(baseline_dir).relative_to(baseline_dir)}: its "
-            "noise twin cannot be trained; compare with the fixed tolerance (--noise-floor fixed)"
+            f"{run_dir} has no {config_path(run_dir).relative_to(run_dir)}: {refusal}"
         )
     raw.pop("output_dir", None)
     cfg = to_typed(OmegaConf.create(raw))
-    cfg.batching.sequence_order = TWIN_ORDER[cfg.batching.sequence_order]
-    cfg.output_dir = str(noise_twin_dir(baseline_dir))
+    cfg.output_dir = str(output_dir)
     trainer = cfg.trainer
     trainer.resume, trainer.requeue, trainer.progress_bar = None, False, False
     trainer.checkpoint_every, trainer.record_tokens, trainer.trace_steps = 0, [], []
-    cfg.compare.anchor_every = 0  # a twin is never a baseline: it keeps no anchors
+    cfg.compare.anchor_every = 0  # a helper run is never a baseline: it keeps no anchors
     cfg.logger.wandb.mode = "disabled"
+    return cfg
+
+
+def twin_config(baseline_dir: str | Path) -> TrainConfig:
+    """The baseline's recorded config with the other sequence order, writing into the twin's
+    directory (see `helper_config`)."""
+    cfg = helper_config(
+        baseline_dir,
+        noise_twin_dir(baseline_dir),
+        "its noise twin cannot be trained; compare with the fixed tolerance (--noise-floor fixed)",
+    )
+    cfg.batching.sequence_order = TWIN_ORDER[cfg.batching.sequence_order]
     return cfg
 
 
@@ -80,20 +91,30 @@ def train_twin_here(baseline_dir: str | Path, fresh: bool = True) -> Path:
     return twin
 
 
-def main(argv: list[str]) -> int:
+def helper_main(argv: list[str], module: str, operands: list[str], run) -> int:
+    """The command line of a helper process: `python -m MODULE OPERANDS...`, exit 2 with the
+    usage or a config error, 0 once `run(*argv)` is done."""
     from recipe.log import quiet_libraries
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     quiet_libraries()
-    if len(argv) != 1:
-        print("usage: python -m recipe.launch.noise_twin BASELINE_RUN_DIR", file=sys.stderr)
+    if len(argv) != len(operands):
+        print(f"usage: python -m {module} {' '.join(operands)}", file=sys.stderr)
         return 2
     try:
-        train_twin_here(argv[0], fresh=False)
+        run(*argv)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _train_twin_cli(baseline_dir: str) -> None:
+    train_twin_here(baseline_dir, fresh=False)
+
+
+def main(argv: list[str]) -> int:
+    return helper_main(argv, "recipe.launch.noise_twin", ["BASELINE_RUN_DIR"], _train_twin_cli)
 
 
 if __name__ == "__main__":
