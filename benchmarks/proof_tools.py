@@ -30,7 +30,7 @@ def step_times(repeats: int) -> tuple[float, float]:
     from recipe.data.corpus import load_corpus
     from recipe.launch.compose import compose_config
     from recipe.launch.local import lone_world
-    from recipe.launch.task import to_typed
+    from recipe.launch.compose import to_typed
     from recipe.training.trainer import Trainer
 
     plain, recorded = [], []

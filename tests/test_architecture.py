@@ -2,7 +2,8 @@
 folder above its own in the data flow, lazy imports inside functions included, nor another
 module's private names. The files at the top of `recipe/` are leaves (errors, names, environment,
 log), except the `python -m` entry points kept for their spelling, which sit above everything.
-`compare/` reads runs only through `rundir/`, and only `rundir/` spells the files of a run."""
+`compare/` reads runs only through `rundir/`, and only `rundir/` spells the files of a run. No two
+modules import each other, directly or around a longer circle (lazy imports count too)."""
 
 from __future__ import annotations
 
@@ -132,6 +133,90 @@ def run_file_names_outside_rundir(root: Path) -> list[str]:
             if isinstance(node, ast.Constant) and node.value in RUN_FILES:
                 problems.append(f"{module} spells {node.value!r} at line {node.lineno}")
     return problems
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Each recipe module's imported recipe modules (a name resolved to its longest prefix that is
+    a module of the tree: `from recipe.a.b import f` is `recipe.a.b`)."""
+    modules = dict(recipe_modules(root))
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for name, _ in imports(path):
+            parts = name.split(".")
+            while parts and ".".join(parts) not in modules:
+                parts.pop()
+            if parts and ".".join(parts) != module:
+                targets.add(".".join(parts))
+        graph[module] = targets
+    return graph
+
+
+def import_circles(root: Path) -> list[list[str]]:
+    """The modules of each import circle (a strongly connected component of more than one module
+    of the import graph, by Tarjan's algorithm without recursion), each sorted."""
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, targets = work[-1]
+            for target in targets:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph[target]))))
+                    break
+                if target in on_stack:
+                    low[node] = min(low[node], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        circles.append(sorted(component))
+    return sorted(circles)
+
+
+def test_no_import_circles():
+    assert import_circles(ROOT) == []
+
+
+def test_import_circles_are_found_direct_and_around_three_modules(tmp_path):
+    """The check's negative control: a lazy two-module circle and a three-module one."""
+    root = _tree(
+        tmp_path,
+        {
+            "recipe/checks/a.py": "from recipe.checks.b import f\n",
+            "recipe/checks/b.py": "def f():\n    from recipe.checks import a\n",
+            "recipe/data/x.py": "from recipe.data.y import g\n",
+            "recipe/data/y.py": "from recipe.data.z import h\n",
+            "recipe/data/z.py": "import recipe.data.x\n",
+            "recipe/data/w.py": "from recipe.data.x import k\n",
+        },
+    )
+    assert import_circles(root) == [
+        ["recipe.checks.a", "recipe.checks.b"],
+        ["recipe.data.x", "recipe.data.y", "recipe.data.z"],
+    ]
 
 
 def test_no_module_imports_from_a_layer_above_it():

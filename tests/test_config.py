@@ -116,7 +116,7 @@ def test_every_experiment_composes_and_sweeps_something(experiment):
     from hydra import compose, initialize_config_dir
 
     from recipe.config import register_configs
-    from recipe.launch.task import to_typed
+    from recipe.launch.compose import to_typed
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

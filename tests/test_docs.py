@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from recipe.config import reference as config_reference
-from recipe.launch.compose import compose_config
-from recipe.launch.task import to_typed
+from recipe.launch.compose import compose_config, to_typed
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

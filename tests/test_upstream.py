@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from recipe.checks.upstream import case_finding, check_mode, check_target, main
+from recipe.checks.upstream import case_finding, check_mode, check_target
+from recipe.checks.upstream_cli import main
 from recipe.config.preprocess import parse_preprocess
 from recipe.parallel.cp.contract import first_mismatch
 from recipe.upstream.adapters import (

@@ -24,7 +24,7 @@ import zipfile
 import pytest
 import torch
 
-from recipe.checks.preprocess import search
+from recipe.checks.search import search
 from recipe.parallel.cp.contract import Impact
 from recipe.upstream import areal
 from recipe.upstream.checked import Finding

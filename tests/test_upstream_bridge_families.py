@@ -29,7 +29,7 @@ import zipfile
 import pytest
 from hypothesis import strategies as st
 
-from recipe.checks.preprocess import search
+from recipe.checks.search import search
 from recipe.parallel.cp.contract import Impact, micro_batches
 from recipe.upstream import bridge_families
 from recipe.upstream.adapters import LIBRARIES, load

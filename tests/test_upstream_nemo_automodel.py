@@ -65,7 +65,7 @@ def mtp():
 def _search(checked, cases: int, options=None, impact: Impact | None = None):
     from hypothesis import strategies as st
 
-    from recipe.checks.preprocess import search
+    from recipe.checks.search import search
 
     drawn = st.just({}) if options is None else options
 

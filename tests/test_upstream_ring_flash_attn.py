@@ -19,7 +19,7 @@ import zipfile
 import pytest
 import torch
 
-from recipe.checks.preprocess import search
+from recipe.checks.search import search
 from recipe.parallel.cp.contract import Impact
 from recipe.upstream.ring_flash_attn import (
     CONTROL_LINE,

@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from recipe.checks.preprocess import search
+from recipe.checks.search import search
 from recipe.parallel.cp.contract import Impact, micro_batches
 from recipe.upstream import verl_bshd
 from recipe.upstream.adapters import ParallelStateStandIn

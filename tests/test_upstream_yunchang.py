@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from recipe.checks.preprocess import search
+from recipe.checks.search import search
 from recipe.parallel.cp.contract import Impact
 from recipe.upstream import yunchang
 from recipe.upstream.source import UpstreamUnavailable, cache_root

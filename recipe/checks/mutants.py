@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from recipe.checks.search import search
 from recipe.data.packing import PackedBatch, pack_sequences
 from recipe.data.thd import aligned_length, cu_seqlens_from_lengths
 from recipe.parallel.cp.contract import (
@@ -29,6 +30,7 @@ from recipe.parallel.cp.contract import (
     first_mismatch,
     global_batch,
     index_preprocess,
+    micro_batches,
 )
 from recipe.parallel.cp.verl import verl_preprocess
 from recipe.parallel.cp.zigzag import real_token_mask, zigzag_index
@@ -503,7 +505,6 @@ class Score:
 
 
 def score_one(mutant: Mutant, cases: int = 100, seed: int = 0) -> Score:
-    from recipe.checks.preprocess import micro_batches, search
 
     threads = torch.get_num_threads()
     # A case's tensors hold a few hundred slots: more threads only contend (4x slower on 2

@@ -21,6 +21,7 @@ import sys
 import time
 
 from recipe.checks.arguments import at_least
+from recipe.checks.search import search
 from recipe.parallel.cp.contract import (
     ContractError,
     Mismatch,
@@ -28,43 +29,6 @@ from recipe.parallel.cp.contract import (
     load_function,
     micro_batches,
 )
-
-
-class _Failed(Exception):
-    def __init__(self, mismatch):
-        super().__init__(mismatch.describe())
-        self.mismatch = mismatch
-
-
-def search(strategy, case_mismatch, cases: int, seed: int) -> tuple[object | None, int]:
-    """Draw `cases` values of `strategy`; the first for which `case_mismatch(value)` returns a
-    finding is shrunk by hypothesis to a minimal one. (the minimal finding or None, cases run)."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import seed as hypothesis_seed
-
-    ran = 0
-
-    @hypothesis_seed(seed)
-    @settings(
-        max_examples=cases,
-        deadline=None,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-        print_blob=False,
-    )
-    @given(strategy)
-    def one_case(case):
-        nonlocal ran
-        ran += 1
-        finding = case_mismatch(case)
-        if finding is not None:
-            raise _Failed(finding)
-
-    try:
-        one_case()
-    except _Failed as failed:
-        return failed.mismatch, ran
-    return None, ran
 
 
 def check(fn, cases: int = 1000, seed: int = 0) -> tuple[Mismatch | None, int]:

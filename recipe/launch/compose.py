@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from recipe.config import TrainConfig, register_configs
+from omegaconf import DictConfig, OmegaConf
+
+from recipe.config import ConfigError, TrainConfig, register_configs
+from recipe.config.keys import unknown_key
 from recipe.launch.overrides import quote_numeric_group_choices
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -29,6 +32,23 @@ def compose_config(overrides: list[str] | None = None, return_hydra_config: bool
 
 def compose_typed(overrides: list[str] | None = None) -> TrainConfig:
     """The typed config; raises ConfigError naming the field and the fix."""
-    from recipe.launch.task import to_typed
-
     return to_typed(compose_config(overrides))
+
+
+def to_typed(cfg: DictConfig) -> TrainConfig:
+    """Validate and convert once; raises ConfigError naming the field and the fix. Keys the
+    dataclasses do not define are refused even when added with `+` (which Hydra allows and
+    OmegaConf's merge into the schema then keeps): a typo must not be silently ignored."""
+    for key in _leaf_keys(OmegaConf.to_container(cfg, resolve=False)):
+        if problem := unknown_key(key):
+            raise ConfigError(problem)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
+
+
+def _leaf_keys(values: dict, prefix: str = ""):
+    """Every dotted key down to the leaves (`unknown_key` stops where the schema stops)."""
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            yield from _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"

@@ -37,7 +37,7 @@ def helper_config(run_dir: str | Path, output_dir: str | Path, refusal: str) -> 
     """A run's recorded config for a helper run of it (its noise twin, its anchored check),
     writing into `output_dir`, and nothing that only costs time (checkpoints, anchors, per-token
     records, traces, wandb); `refusal` says what cannot be done when the run recorded none."""
-    from recipe.launch.task import to_typed
+    from recipe.launch.compose import to_typed
 
     raw = read_job_config(run_dir)
     if raw is None:

@@ -70,7 +70,7 @@ def train(cfg: TrainConfig, checked: Preflight | None = None) -> dict:
     layout = groups.init_distributed(cfg.parallel_dims, env, cfg.trainer.collective_timeout_s)
     logger = NullLogger()
     try:
-        check_one_run_directory(collectives.all_gather_objects(_absolute(cfg.output_dir)))
+        check_one_run_directory(collectives.gather_to_all(_absolute(cfg.output_dir)))
         share_cores(env.local_world_size)
         seed_model_parallel_rng(cfg.trainer.seed)
         if checked is None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from recipe.checkpoint import resolve_resume
 from recipe.config import ConfigError, TrainConfig
 from recipe.environment import ProcessEnvironment, adopt_environment
 from recipe.errors import RecipeError
+from recipe.launch.compose import to_typed
 from recipe.launch.local import RanksStopped, check_launchable, launch_world
 from recipe.launch.noise_twin import is_sweep_baseline, train_twin_here
 from recipe.launch.preflight import (
@@ -34,29 +35,6 @@ from recipe.rundir.job_files import write_job_files
 from recipe.training.preemption import Preempted
 
 log = get_logger(__name__)
-
-
-def to_typed(cfg: DictConfig) -> TrainConfig:
-    """Validate and convert once; raises ConfigError naming the field and the fix."""
-    check_known_keys(OmegaConf.to_container(cfg, resolve=False), TrainConfig)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg))
-
-
-def check_known_keys(values: dict, schema, prefix: str = "") -> None:
-    """Refuse keys the dataclasses do not define, even when added with `+` (which Hydra allows
-    and OmegaConf's merge into the schema then keeps): a typo must not be silently ignored."""
-    import dataclasses
-    import difflib
-
-    known = {f.name: f for f in dataclasses.fields(schema)}
-    for key, value in values.items():
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
-            raise ConfigError(f"unknown config key {prefix}{key}{hint}")
-        nested = known[key].default_factory  # a nested section's dataclass, or MISSING/list
-        if isinstance(value, dict) and dataclasses.is_dataclass(nested):
-            check_known_keys(value, nested, f"{prefix}{key}.")
 
 
 def run(cfg: DictConfig):

@@ -112,8 +112,8 @@ def barrier(group=None) -> None:
 
 def gather_to_all(obj, group=None) -> list:
     """Every rank's `obj` (any picklable value) on every rank of `group` (the whole world by
-    default), in rank order. For rare, small transfers (a verdict per rank), so that all ranks
-    take the same decision next."""
+    default), in rank order. For rare, small transfers (a verdict per rank, so that all ranks
+    take the same decision next; optimizer shards for a checkpoint), not for the training path."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [obj]
     gathered = [None] * dist.get_world_size(group)
@@ -131,16 +131,6 @@ def gather_to_main(obj, group=None) -> list | None:
     dist.gather_object(
         obj, gathered, dst=dist.get_global_rank(group, 0) if group else 0, group=group
     )
-    return gathered
-
-
-def all_gather_objects(obj, group=None) -> list:
-    """Every rank's `obj` (any picklable value) on every rank of `group`, in rank order. For
-    rare, small transfers (optimizer shards for a checkpoint), not for the training path."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [obj]
-    gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
     return gathered
 
 

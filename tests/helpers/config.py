@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from recipe.launch import compose
-from recipe.launch.task import to_typed
+from recipe.launch.compose import to_typed
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = str(compose.CONF_DIR)

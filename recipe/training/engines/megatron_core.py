@@ -265,7 +265,7 @@ def _joined_shard_state(optimizer, model) -> dict:
         tensors = {k: v.detach().cpu().clone() for k, v in state.items() if torch.is_tensor(v)}
         mine[position[id(param)]] = (owned.start, owned.end, tensors)
     joined: dict = {}
-    for part in collectives.all_gather_objects(mine, optimizer.data_parallel_group):
+    for part in collectives.gather_to_all(mine, optimizer.data_parallel_group):
         for index, (start, end, tensors) in part.items():
             param = params[index]
             entry = joined.setdefault(param, {})
