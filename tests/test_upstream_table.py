@@ -9,7 +9,7 @@ import json
 import pytest
 
 from recipe.checks import upstream_table
-from recipe.checks.upstream import main
+from recipe.checks.upstream_cli import main
 from recipe.checks.upstream_table import (
     BEGIN,
     DOCS,
