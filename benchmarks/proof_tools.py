@@ -28,9 +28,8 @@ MAX_CHECKER_SECONDS = 60.0
 
 def step_times(repeats: int) -> tuple[float, float]:
     from recipe.data.corpus import load_corpus
-    from recipe.launch.compose import compose_config
+    from recipe.launch.compose import compose_config, to_typed
     from recipe.launch.local import lone_world
-    from recipe.launch.compose import to_typed
     from recipe.training.trainer import Trainer
 
     plain, recorded = [], []

@@ -3,7 +3,7 @@ is `recipe.checks.upstream`)."""
 
 import sys
 
-from recipe.checks.upstream_cli import main
+from recipe.checks.upstream.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

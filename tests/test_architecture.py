@@ -19,7 +19,7 @@ LAYERS = [
     "megatron",  # versions and feature probes, the CPU patches, log filters
     "data",
     "parallel",
-    "upstream",  # released libraries' functions, loaded by path, and their adapters
+    "upstream",  # the released functions training can call, loaded from their wheels
     "model",
     "rundir",  # every file of a run directory
     "checkpoint",

@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import pytest
 
-from recipe.checks.upstream import case_finding, check_mode, check_target
-from recipe.checks.upstream_cli import main
+from recipe.checks.upstream.cli import main
+from recipe.checks.upstream.kit.released import load
+from recipe.checks.upstream.runner import case_finding, check_mode, check_target
 from recipe.config.preprocess import parse_preprocess
 from recipe.parallel.cp.contract import first_mismatch
-from recipe.upstream.adapters import (
-    LIBRARIES,
-    ParallelStateStandIn,
-    load,
-    parse_preprocess_spec,
-)
+from recipe.upstream.releases import LIBRARIES, ParallelStateStandIn, parse_preprocess_spec
 from recipe.upstream.source import UpstreamUnavailable
 
 pytestmark = pytest.mark.launches
@@ -177,7 +173,7 @@ def test_an_option_the_adapter_does_not_know_stops_the_check(monkeypatch, tmp_pa
     source = tmp_path / "util.py"
     source.write_text("def preprocess_thd_engine(input_ids, new_layout_knob=1):\n    pass\n")
     monkeypatch.setattr(
-        "recipe.upstream.adapters.source_file", lambda dist, version, rel: (source, "9.9")
+        "recipe.upstream.releases.source_file", lambda dist, version, rel: (source, "9.9")
     )
     with pytest.raises(UpstreamUnavailable, match="option the adapter does not know"):
         load("verl", "9.9", THD)
@@ -269,7 +265,7 @@ def test_in_training_the_function_reads_megatrons_real_rank():
     from recipe.launch.local import lone_world
     from recipe.parallel.cp.contract import global_batch
     from recipe.parallel.cp.shard import shard_batch
-    from recipe.upstream.adapters import training_preprocess
+    from recipe.upstream.releases import training_preprocess
 
     batch = global_batch([[5, 6, 7]], cp_size=2, tp_size=1)
     sequences = [batch.input_ids[:3]]

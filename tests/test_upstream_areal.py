@@ -1,5 +1,5 @@
 """AReaL 1.0.4's packed CP split, label roll and reassembly, loaded from its PyPI wheel and run
-as its Megatron engine runs them (recipe/upstream/areal.py).
+as its Megatron engine runs them (recipe/checks/upstream/libraries/areal.py).
 
 The release passes: its split is the zigzag contract on the engine's padding (each sequence
 padded to a multiple of 2*cp*tp, megatron_engine.py:2081, lcm with 16 under fp8, :2082-2086, by
@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from recipe.checks.search import search
+from recipe.checks.upstream.kit.checked import Finding
+from recipe.checks.upstream.libraries import areal
 from recipe.parallel.cp.contract import Impact
-from recipe.upstream import areal
-from recipe.upstream.checked import Finding
 from recipe.upstream.source import UpstreamUnavailable, cache_root, source_file
 
 pytestmark = pytest.mark.launches

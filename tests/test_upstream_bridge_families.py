@@ -30,10 +30,11 @@ import pytest
 from hypothesis import strategies as st
 
 from recipe.checks.search import search
+from recipe.checks.upstream.kit.checked import Finding
+from recipe.checks.upstream.kit.released import load
+from recipe.checks.upstream.libraries import megatron_bridge as bridge_families
 from recipe.parallel.cp.contract import Impact, micro_batches
-from recipe.upstream import bridge_families
-from recipe.upstream.adapters import LIBRARIES, load
-from recipe.upstream.checked import Finding
+from recipe.upstream.releases import LIBRARIES
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 
 pytestmark = pytest.mark.launches

@@ -1,4 +1,5 @@
-"""ms-swift 4.6.0 and mcore-bridge 1.6.5 (recipe/upstream/ms_swift.py), loaded from their wheels.
+"""ms-swift 4.6.0 and mcore-bridge 1.6.5 (recipe/checks/upstream/libraries/ms_swift.py), loaded
+from their wheels.
 
 The one finding, pinned on the case the checker shrinks it to: with `padding_side=left`,
 padding_free (the default) and a padding_to past the packed row (fp8, fp4, the blockwise or mxfp8
@@ -28,10 +29,10 @@ import sys
 import pytest
 import torch
 
-from recipe.checks.upstream import check_target
+from recipe.checks.upstream.libraries import ms_swift
+from recipe.checks.upstream.runner import check_target
 from recipe.parallel.cp.contract import Impact
 from recipe.parallel.cp.zigzag import zigzag_index
-from recipe.upstream import ms_swift
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 
 pytestmark = pytest.mark.launches

@@ -1,5 +1,6 @@
 """NeMo Automodel 0.7.0's THD packer and MTP shift, read from the PyPI wheel
-(`recipe/upstream/nemo_automodel.py`, truth in `recipe/upstream/nemo_automodel_truth.py`).
+(`recipe/checks/upstream/libraries/nemo_automodel.py`, truth in
+`recipe/checks/upstream/libraries/nemo_automodel_truth.py`).
 
 What the checker finds, pinned by direct calls of the released functions (line numbers are in
 the wheel):
@@ -35,16 +36,16 @@ import sys
 import pytest
 import torch
 
-from recipe.parallel.cp.contract import Impact
-from recipe.parallel.cp.zigzag import zigzag_index
-from recipe.upstream import nemo_automodel_truth as truth
-from recipe.upstream.nemo_automodel import (
+from recipe.checks.upstream.libraries import nemo_automodel_truth as truth
+from recipe.checks.upstream.libraries.nemo_automodel import (
     DISTRIBUTION,
     LIBRARY,
     MTP_SHIFT,
     PACK_DATASET,
     check_signature,
 )
+from recipe.parallel.cp.contract import Impact
+from recipe.parallel.cp.zigzag import zigzag_index
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 
 pytestmark = pytest.mark.launches

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from recipe.checks.search import search
-from recipe.parallel.cp.contract import Impact
-from recipe.upstream.ring_flash_attn import (
+from recipe.checks.upstream.libraries.ring_flash_attn import (
     CONTROL_LINE,
     FILE,
     LIBRARY,
@@ -32,6 +31,7 @@ from recipe.upstream.ring_flash_attn import (
     signature_options,
     span_problems,
 )
+from recipe.parallel.cp.contract import Impact
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 
 pytestmark = pytest.mark.launches
@@ -136,7 +136,9 @@ def test_the_broken_copy_is_flagged_where_the_release_passes(checked):
 
 
 def test_the_broken_copy_needs_its_line(checked, monkeypatch):
-    monkeypatch.setattr("recipe.upstream.ring_flash_attn.CONTROL_LINE", "no such line")
+    monkeypatch.setattr(
+        "recipe.checks.upstream.libraries.ring_flash_attn.CONTROL_LINE", "no such line"
+    )
     with pytest.raises(UpstreamUnavailable, match="negative control's line"):
         checked.broken_copy()
 

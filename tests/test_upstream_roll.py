@@ -197,7 +197,7 @@ def test_negative_control_names_a_missing_line(monkeypatch):
 @pytest.mark.launches
 @pytest.mark.stack_dependent
 def test_the_cli_checks_the_installed_megatron_core(capsys):
-    from recipe.checks.upstream_cli import main
+    from recipe.checks.upstream.cli import main
 
     assert main(["megatron-core", "--cases", "4", "--fixed", "cu_seqlens_q=unpadded"]) == 1
     out = capsys.readouterr().out
@@ -219,7 +219,7 @@ def test_the_cli_checks_the_installed_megatron_core(capsys):
     ],
 )
 def test_the_cli_refuses_what_megatron_core_cannot_check(argv, message, capsys):
-    from recipe.checks.upstream_cli import main
+    from recipe.checks.upstream.cli import main
 
     assert main(argv) == 2
     assert message in capsys.readouterr().err

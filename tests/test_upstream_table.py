@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from recipe.checks import upstream_table
-from recipe.checks.upstream_cli import main
-from recipe.checks.upstream_table import (
+from recipe.checks.upstream import table as upstream_table
+from recipe.checks.upstream.cli import main
+from recipe.checks.upstream.table import (
     BEGIN,
     DOCS,
     END,
@@ -78,7 +78,7 @@ def test_render_and_the_markers():
 def test_all_writes_the_table(monkeypatch, tmp_path, capsys):
     """`--all` end to end on one small library (the roll's own runner is tests/test_upstream_roll)
     writing JSON and markdown; exit 0 when every row passes."""
-    from recipe.upstream import registry
+    from recipe.checks.upstream import registry
 
     monkeypatch.setattr(upstream_table, "REGISTRY", {"ring-flash-attn":
                         registry.REGISTRY["ring-flash-attn"]})  # fmt: skip

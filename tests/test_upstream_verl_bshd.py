@@ -1,4 +1,5 @@
-"""verl's BSHD engine path (`recipe/upstream/verl_bshd.py`), loaded from the released wheels.
+"""verl's BSHD engine path (`recipe/checks/upstream/libraries/verl.py`), loaded from the released
+wheels.
 
 `preprocess_bshd_engine` (0.9.1 `verl/models/mcore/util.py:658`, 0.8.0 `:564`) pads every row of
 the nested batch to one length M and splits each row as one zigzag sequence; with its attention
@@ -20,10 +21,10 @@ import torch
 from hypothesis import strategies as st
 
 from recipe.checks.search import search
+from recipe.checks.upstream.kit.checked import Finding
+from recipe.checks.upstream.libraries import verl as verl_bshd
 from recipe.parallel.cp.contract import Impact, micro_batches
-from recipe.upstream import verl_bshd
-from recipe.upstream.adapters import ParallelStateStandIn
-from recipe.upstream.checked import Finding
+from recipe.upstream.releases import ParallelStateStandIn
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 
 pytestmark = pytest.mark.launches

@@ -1,6 +1,7 @@
-"""yunchang 0.6.4's sequence-parallel shard functions (recipe/upstream/yunchang.py), read from its
-PyPI wheel: `zigzag_extract_local`, `stripe_extract_local`, `basic_extract_local` in
-yunchang/comm/extract_local.py, with the groups of `set_seq_parallel_pg` (yunchang/globals.py).
+"""yunchang 0.6.4's sequence-parallel shard functions (recipe/checks/upstream/libraries/
+yunchang.py), read from its PyPI wheel: `zigzag_extract_local`, `stripe_extract_local`,
+`basic_extract_local` in yunchang/comm/extract_local.py, with the groups of
+`set_seq_parallel_pg` (yunchang/globals.py).
 
 Each finding is pinned twice: as the checker's search shrinks it (seed 0, a bounded case count),
 and by a direct call of the released function on the minimal case, with the released file:line
@@ -21,8 +22,8 @@ import pytest
 import torch
 
 from recipe.checks.search import search
+from recipe.checks.upstream.libraries import yunchang
 from recipe.parallel.cp.contract import Impact
-from recipe.upstream import yunchang
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 
 VERSION = "0.6.4"
@@ -97,7 +98,8 @@ def _fake_release(tmp_path, monkeypatch, extract_signature, pg_signature):
     groups.write_text(f"PROCESS_GROUP = None\ndef set_seq_parallel_pg({pg_signature}):\n    pass\n")
     files = {yunchang.EXTRACT_FILE: extract, yunchang.GLOBALS_FILE: groups}
     monkeypatch.setattr(
-        "recipe.upstream.yunchang.source_file", lambda dist, version, rel: (files[rel], "9.9")
+        "recipe.checks.upstream.libraries.yunchang.source_file",
+        lambda dist, version, rel: (files[rel], "9.9"),
     )
 
 

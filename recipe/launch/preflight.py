@@ -65,7 +65,7 @@ def check_preprocess_function(preprocess: str) -> None:
     a missing module or release, or a function of another shape, is a start-up error naming
     cp.preprocess, not a failure in every rank."""
     from recipe.parallel.cp.contract import load_function
-    from recipe.upstream.adapters import checking_preprocess
+    from recipe.upstream.releases import checking_preprocess
     from recipe.upstream.source import UpstreamUnavailable
 
     kind = parse_preprocess(preprocess).kind

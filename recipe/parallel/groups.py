@@ -206,7 +206,7 @@ def tp_group():
 
 def megatron_parallel_state():
     """megatron's parallel_state module itself, for released functions that read their ranks
-    from it (recipe/upstream/adapters.py)."""
+    from it (recipe/upstream/releases.py)."""
     from megatron.core import parallel_state
 
     return parallel_state

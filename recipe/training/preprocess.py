@@ -22,7 +22,7 @@ def load_preprocess(text: str) -> LoadedPreprocess | None:
     if spec.built_in:
         return None
     if spec.kind == RELEASE:
-        from recipe.upstream.adapters import checking_preprocess, training_preprocess
+        from recipe.upstream.releases import checking_preprocess, training_preprocess
 
         return LoadedPreprocess(
             training_preprocess(text),

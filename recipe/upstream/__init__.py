@@ -1,1 +1,3 @@
-"""Released upstream CP code, loaded from its PyPI wheels and checked (`recipe.check_upstream`)."""
+"""The released CP functions training can call (`cp.preprocess=LIBRARY@VERSION`): `source` finds
+and loads a release's file, `releases` the functions and their contract call. The checker of
+released code is `recipe/checks/upstream/`."""

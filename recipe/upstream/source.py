@@ -8,7 +8,7 @@ cached wheel that cannot be read is fetched again.
 The module is then executed under a private name, so the package's own `__init__` never runs
 (verl's imports ray). Its imports of megatron-core and torch are the real installed ones; only
 the imports named in `stubs` are replaced, each by a placeholder module whose attributes the
-checked function never calls (the adapters in `adapters.py` say which and why).
+checked function never calls (`releases.py` and each checker plugin say which and why).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 An adapter loads one function of one release and returns a `Checked`: the cases it draws, the
 finding (with its impact class) on one case, a deliberately broken copy (the negative control the
 checker must flag), the released file:line, and a standalone reproducer of a finding. The runner
-(`recipe/checks/upstream.py`) knows nothing else about a library, so a new contract (a contiguous
-layout, a packer, attention spans) is a new `Checked`, not a new branch in the runner.
+(`recipe/checks/upstream/runner.py`) knows nothing else about a library, so a new contract (a
+contiguous layout, a packer, attention spans) is a new `Checked`, not a new branch in the runner.
 
 A reproducer is a Python script that needs only torch and the release's wheel: `python repro.py
 [--wheel PATH]` loads the release's file from the wheel (fetched with `pip download --no-deps`
@@ -23,6 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from recipe.parallel.cp.contract import Impact, assess, micro_batches
+from recipe.upstream.releases import Library
+
+__all__ = ["Library"]  # the registry's entry type, defined where training reads it too
 
 
 @dataclass(frozen=True)
@@ -50,16 +53,6 @@ class CheckTarget(ABC):
         """This function from `version` (None: the installed release), ready to check. Raises
         `UpstreamUnavailable` (exit 2) when it cannot be had, or when its signature has an
         option the adapter does not know."""
-
-
-@dataclass(frozen=True)
-class Library:
-    """A library in the registry: its PyPI distribution, its checked functions, and the
-    releases `check_upstream --all` checks."""
-
-    distribution: str
-    targets: tuple
-    releases: tuple[str, ...] = ()
 
 
 @dataclass

@@ -46,17 +46,19 @@ from dataclasses import dataclass
 
 import torch
 
-from recipe.parallel.cp.contract import LAYOUT_KEY, Impact
-from recipe.parallel.cp.zigzag import zigzag_index
-from recipe.upstream import layouts
-from recipe.upstream.adapters import ParallelStateStandIn
-from recipe.upstream.checked import (
+from recipe.checks.upstream.kit import layouts
+from recipe.checks.upstream.kit.checked import (
     CheckTarget,
     ContractChecked,
     Finding,
     function_line,
     reproducer_source,
 )
+from recipe.checks.upstream.kit.released import released_targets
+from recipe.parallel.cp.contract import LAYOUT_KEY, Impact
+from recipe.parallel.cp.zigzag import zigzag_index
+from recipe.upstream import releases
+from recipe.upstream.releases import ParallelStateStandIn
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
 RELEASES = ("0.8.0", "0.9.1")
@@ -128,7 +130,8 @@ class BshdEngineTarget(CheckTarget):
             else:
                 raise UpstreamUnavailable(
                     f"{label} has an option the checker does not know: {param!r}. It may change "
-                    "the layout, so the check stops; teach recipe/upstream/verl_bshd.py what it "
+                    "the layout, so the check stops; teach "
+                    "recipe/checks/upstream/libraries/verl.py what it "
                     "does (draw it or fix it with a reason)"
                 )
         body = inspect.getsource(function).split('"""')[-1]
@@ -419,3 +422,10 @@ def release_outputs(wheel):
 '''
 
 TARGETS = (BshdEngineTarget(),)
+
+# The functions training can call (releases.LIBRARIES), then this module's own.
+LIBRARY = releases.Library(
+    releases.LIBRARIES["verl"].distribution,
+    (*released_targets("verl"), *TARGETS),
+    releases.LIBRARIES["verl"].releases,
+)

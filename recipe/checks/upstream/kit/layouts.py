@@ -15,9 +15,9 @@ import inspect
 
 import torch
 
+from recipe.checks.upstream.kit.checked import Finding
 from recipe.parallel.cp.contract import global_batch
 from recipe.parallel.cp.zigzag import zigzag_index
-from recipe.upstream.checked import Finding
 from recipe.upstream.source import UpstreamUnavailable
 
 FIELDS = ("input_ids", "position_ids", "labels", "loss_mask")

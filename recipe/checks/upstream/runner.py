@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipe.checks.search import search
+from recipe.checks.upstream.kit.checked import Checked, Finding
+from recipe.checks.upstream.registry import MEGATRON_CORE, REGISTRY, parse_spec
 from recipe.parallel.cp.contract import Impact
-from recipe.upstream.checked import Checked, Finding
-from recipe.upstream.registry import MEGATRON_CORE, REGISTRY, parse_spec
 from recipe.upstream.source import UpstreamUnavailable
 
 

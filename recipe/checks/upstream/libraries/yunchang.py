@@ -61,8 +61,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recipe.parallel.cp.contract import Impact
-from recipe.upstream.checked import (
+from recipe.checks.upstream.kit.checked import (
     Checked,
     CheckTarget,
     Finding,
@@ -70,6 +69,7 @@ from recipe.upstream.checked import (
     function_line,
     reproducer_source,
 )
+from recipe.parallel.cp.contract import Impact
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
 DISTRIBUTION = "yunchang"
@@ -506,7 +506,8 @@ class ExtractChecked(Checked):
             return run_ranks(self.module, self.groups, self.function_name, case, options)
         except StandInMissing as err:
             raise UpstreamUnavailable(
-                f"{self.label}: {err}; teach recipe/upstream/yunchang.py what it does"
+                f"{self.label}: {err}; teach recipe/checks/upstream/libraries/yunchang.py what it "
+                "does"
             ) from None
 
     def finding(self, case, options: dict) -> Finding | None:
@@ -528,7 +529,9 @@ class ExtractChecked(Checked):
         if line not in source:
             raise UpstreamUnavailable(
                 f"{self.label}: the negative control's line `{line}` is not in this release's "
-                f"{self.function_name}; recipe/upstream/yunchang.py must learn its new shape"
+                ""
+                f"{self.function_name}; recipe/checks/upstream/libraries/yunchang.py must learn "
+                "its new shape"
             )
         broken = type(self.module)(self.module.__name__ + "_broken")
         vars(broken).update({k: v for k, v in vars(self.module).items() if k != "__name__"})
@@ -626,7 +629,8 @@ _ABSENT = object()
 def _unknown(label: str, where: str, param: str) -> UpstreamUnavailable:
     return UpstreamUnavailable(
         f"{label}: {where} has an option the checker does not know: {param!r}. It may change the "
-        "layout, so the check stops; teach recipe/upstream/yunchang.py what it does"
+        "layout, so the check stops; teach recipe/checks/upstream/libraries/yunchang.py what "
+        "it does"
     )
 
 

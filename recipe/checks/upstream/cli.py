@@ -1,5 +1,5 @@
 """`python -m recipe.check_upstream`'s command line: one library (`recipe.checks.upstream`) or
-`--all` (`recipe.checks.upstream_table`)."""
+`--all` (`recipe.checks.upstream.table`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 from recipe.checks.arguments import at_least
-from recipe.checks.upstream import parse_fixed, run
-from recipe.checks.upstream_table import main_all
+from recipe.checks.upstream.registry import known
+from recipe.checks.upstream.runner import parse_fixed, run
+from recipe.checks.upstream.table import main_all
 from recipe.log import quiet_libraries
-from recipe.upstream.registry import known
 from recipe.upstream.source import UpstreamUnavailable
 
 

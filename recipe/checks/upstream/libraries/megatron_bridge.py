@@ -67,9 +67,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recipe.parallel.cp.contract import LAYOUT_KEY, Impact
-from recipe.upstream import layouts
-from recipe.upstream.checked import (
+from recipe.checks.upstream.kit import layouts
+from recipe.checks.upstream.kit.checked import (
     Checked,
     CheckTarget,
     ContractChecked,
@@ -77,6 +76,9 @@ from recipe.upstream.checked import (
     function_line,
     reproducer_source,
 )
+from recipe.checks.upstream.kit.released import released_targets
+from recipe.parallel.cp.contract import LAYOUT_KEY, Impact
+from recipe.upstream import releases
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
 RELEASES = ("0.6.2",)
@@ -116,7 +118,8 @@ def _refuse_unknown(label: str, function) -> dict[str, str]:
         if param not in FIXED:
             raise UpstreamUnavailable(
                 f"{label} has an option the checker does not know: {param!r}. It may change the "
-                "layout, so the check stops; teach recipe/upstream/bridge_families.py what it does"
+                "layout, so the check stops; teach "
+                "recipe/checks/upstream/libraries/megatron_bridge.py what it does"
             )
         skipped[param] = FIXED[param]
     return skipped
@@ -913,3 +916,10 @@ def release_outputs(wheel):
 """
 
 TARGETS = (GptStepTarget(), SliceBatchTarget(), ContiguousTarget(), KimiTarget())
+
+# The functions training can call (releases.LIBRARIES), then this module's own.
+LIBRARY = releases.Library(
+    releases.LIBRARIES["megatron-bridge"].distribution,
+    (*released_targets("megatron-bridge"), *TARGETS),
+    releases.LIBRARIES["megatron-bridge"].releases,
+)

@@ -1,8 +1,9 @@
 """The ground truth of NeMo Automodel's packer and MTP shift, written without the library.
 
 Pure Python (no recipe imports, no `from __future__`, torch only inside `call_mtp`): the checker
-(`recipe/upstream/nemo_automodel.py`) imports it, and every reproducer embeds this file's source
-verbatim, so the standalone script calls and judges the release exactly as the checker does.
+(`recipe/checks/upstream/libraries/nemo_automodel.py`) imports it, and every reproducer embeds
+this file's source verbatim, so the standalone script calls and judges the release exactly as
+the checker does.
 
 Packer (`pack_dataset`): documents are packed in input order, next-fit: each document's span is
 its length rounded up to f = lcm(2*cp if cp > 1 else 1, pad_to_multiple_of); a document whose

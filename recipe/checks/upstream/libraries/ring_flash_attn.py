@@ -55,8 +55,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from recipe.parallel.cp.contract import Impact, micro_batches
-from recipe.upstream.checked import (
+from recipe.checks.upstream.kit.checked import (
     Checked,
     CheckTarget,
     Finding,
@@ -64,6 +63,7 @@ from recipe.upstream.checked import (
     function_line,
     reproducer_source,
 )
+from recipe.parallel.cp.contract import Impact, micro_batches
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
 FILE = "ring_flash_attn/llama3_flash_attn_varlen.py"
@@ -320,7 +320,8 @@ def signature_options(function, label: str) -> tuple[dict[str, tuple], dict[str,
         else:
             raise UpstreamUnavailable(
                 f"{label} has an option the adapter does not know: {param!r}. It may change the "
-                "layout, so the check stops; teach recipe/upstream/ring_flash_attn.py what it "
+                "layout, so the check stops; teach "
+                "recipe/checks/upstream/libraries/ring_flash_attn.py what it "
                 "does (draw it or fix it with a reason)"
             )
     return drawn, skipped

@@ -60,9 +60,7 @@ import sys
 import types
 from dataclasses import dataclass, field
 
-from recipe.parallel.cp.contract import Impact
-from recipe.upstream import nemo_automodel_truth as truth
-from recipe.upstream.checked import (
+from recipe.checks.upstream.kit.checked import (
     Checked,
     CheckTarget,
     Finding,
@@ -70,6 +68,8 @@ from recipe.upstream.checked import (
     function_line,
     reproducer_source,
 )
+from recipe.checks.upstream.libraries import nemo_automodel_truth as truth
+from recipe.parallel.cp.contract import Impact
 from recipe.upstream.source import UpstreamUnavailable, source_file
 
 DISTRIBUTION = "nemo-automodel"
@@ -120,7 +120,8 @@ def check_signature(function, label: str, fixed: dict, drawn: dict) -> None:
         if name not in fixed and name not in drawn:
             raise UpstreamUnavailable(
                 f"{label} has an option the adapter does not know: {name!r}. It may change the "
-                "layout, so the check stops; teach recipe/upstream/nemo_automodel.py what it does "
+                "layout, so the check stops; teach "
+                "recipe/checks/upstream/libraries/nemo_automodel.py what it does "
                 "(draw it or fix it with a reason)"
             )
 

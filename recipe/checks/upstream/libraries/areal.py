@@ -71,9 +71,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recipe.parallel.cp.contract import Impact, global_batch
-from recipe.parallel.cp.zigzag import zigzag_index
-from recipe.upstream.checked import (
+from recipe.checks.upstream.kit.checked import (
     Checked,
     CheckTarget,
     ContractChecked,
@@ -82,6 +80,8 @@ from recipe.upstream.checked import (
     function_line,
     reproducer_source,
 )
+from recipe.parallel.cp.contract import Impact, global_batch
+from recipe.parallel.cp.zigzag import zigzag_index
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
 DISTRIBUTION = "areal"
@@ -154,7 +154,7 @@ SIGNATURES = {
 }
 # The engine's state its statements may read, by dotted name.
 ENGINE_STATE = {"self.enable_fp8", "self.config.pad_to_maximum"}
-_QUIET = logging.getLogger("recipe.upstream.areal.data")
+_QUIET = logging.getLogger("recipe.checks.upstream.libraries.areal.data")
 _QUIET.setLevel(logging.ERROR)  # pad_mb_list's "unable to pad to maximum" note, per case
 
 
@@ -798,7 +798,8 @@ def load_release(distribution: str, version: str | None) -> Release:
             raise UpstreamUnavailable(
                 f"areal@{version} {name} has an option the check does not know: "
                 f"{', '.join(map(repr, unknown))}. It may change the layout, so the check "
-                "stops; teach recipe/upstream/areal.py what it does (draw it or fix it)"
+                "stops; teach recipe/checks/upstream/libraries/areal.py what it does (draw it or "
+                "fix it)"
             )
     lines = {role: (s[0][0], s[-1][1]) for role, s in statements.items()}
     return Release(version, modules, statements, lines)
@@ -868,7 +869,7 @@ def _check_names(version: str, statements: dict) -> None:
                 raise UpstreamUnavailable(
                     f"areal@{version} {ENGINE}:{line} `{code}` reads {', '.join(unknown)}, "
                     "which the check does not know; it may change the layout, so the check "
-                    "stops (teach recipe/upstream/areal.py what it is)"
+                    "stops (teach recipe/checks/upstream/libraries/areal.py what it is)"
                 )
 
 

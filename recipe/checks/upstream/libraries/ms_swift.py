@@ -95,8 +95,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recipe.parallel.cp.contract import Impact, global_batch
-from recipe.upstream.checked import (
+from recipe.checks.upstream.kit.checked import (
     Checked,
     CheckTarget,
     ContractChecked,
@@ -105,6 +104,7 @@ from recipe.upstream.checked import (
     function_line,
     reproducer_source,
 )
+from recipe.parallel.cp.contract import Impact, global_batch
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
 SWIFT = "ms-swift"
@@ -391,7 +391,8 @@ def _bridge_version_for(version: str | None) -> str | None:
     if bridge is None:
         raise UpstreamUnavailable(
             f"{SWIFT}@{version}: which mcore-bridge release it runs on is not known here; add it "
-            f"to BRIDGE_FOR_SWIFT in recipe/upstream/ms_swift.py (the newest its requirement "
+            "to BRIDGE_FOR_SWIFT in recipe/checks/upstream/libraries/ms_swift.py (the newest its "
+            "requirement "
             f"allows whose split runs on CPU tensors: 1.6.5 or later)"
         )
     metadata, _ = source_file(SWIFT, version, f"ms_swift-{version}.dist-info/METADATA")
@@ -403,7 +404,9 @@ def _bridge_version_for(version: str | None) -> str | None:
             if not requirement.specifier.contains(bridge, prereleases=True):
                 raise UpstreamUnavailable(
                     f"{SWIFT}@{version} requires {requirement}, which excludes mcore-bridge "
-                    f"{bridge}; update BRIDGE_FOR_SWIFT in recipe/upstream/ms_swift.py"
+                    ""
+                    f"{bridge}; update BRIDGE_FOR_SWIFT in "
+                    "recipe/checks/upstream/libraries/ms_swift.py"
                 )
             return bridge
     raise UpstreamUnavailable(f"{SWIFT}@{version} does not require mcore-bridge (METADATA)")
@@ -791,7 +794,8 @@ class _BatchChecked(ContractChecked):
             self.unknown.clear()
             raise UpstreamUnavailable(
                 f"{self.label} reads {names}, an option the adapter does not know; it may change "
-                "the layout, so the check stops: teach recipe/upstream/ms_swift.py what it does"
+                "the layout, so the check stops: teach "
+                "recipe/checks/upstream/libraries/ms_swift.py what it does"
             )
 
     def _ranks(self, lengths, cp: int, tp: int, s: dict, sequences=None) -> list[_Batch]:
@@ -963,7 +967,8 @@ class _SplitChecked(ContractChecked):
         if params != ["inputs", "cu_seqlens", "dim", "cp_partition_mode"]:
             raise UpstreamUnavailable(
                 f"{checked.label} split_cp_inputs takes {params}; the adapter knows (inputs, "
-                "cu_seqlens, dim, cp_partition_mode): teach recipe/upstream/ms_swift.py the rest"
+                "cu_seqlens, dim, cp_partition_mode): teach "
+                "recipe/checks/upstream/libraries/ms_swift.py the rest"
             )
         return checked
 
@@ -1211,7 +1216,7 @@ class _RoundTripChecked(Checked):
         except _UnknownOption as err:
             raise UpstreamUnavailable(
                 f"{self.label} reads {err}, an option the adapter does not know: teach "
-                "recipe/upstream/ms_swift.py what it does"
+                "recipe/checks/upstream/libraries/ms_swift.py what it does"
             ) from None
         except Exception as err:  # noqa: BLE001 (a raise on a valid input is the finding)
             return Finding(record, tuple(sorted(options.items())), Impact.RAISES,
@@ -1397,7 +1402,7 @@ def _known_params(checked: Checked, known: list[str]) -> None:
     if params != known:
         raise UpstreamUnavailable(
             f"{checked.label} reconstruct_tensor_cp takes {params}; the adapter knows {known}: "
-            "teach recipe/upstream/ms_swift.py the rest"
+            "teach recipe/checks/upstream/libraries/ms_swift.py the rest"
         )
 
 
