@@ -99,3 +99,32 @@ def test_all_refuses_what_it_cannot_honour(argv, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert "--all" in capsys.readouterr().err
+
+
+def test_the_registry_refuses_a_library_twice_and_anything_but_a_library():
+    from recipe.checks.upstream.kit.registry import DuplicateLibrary, Registry
+    from recipe.checks.upstream.registry import REGISTRY
+
+    registry = Registry()
+    registry.register("verl", REGISTRY["verl"])
+    with pytest.raises(DuplicateLibrary, match="library 'verl' is registered twice"):
+        registry.register("verl", REGISTRY["areal"])
+    with pytest.raises(TypeError, match="x: register a Library, got dict"):
+        registry.register("x", {})
+    assert list(registry) == ["verl"] and registry["verl"] is REGISTRY["verl"]
+
+
+def test_every_plugin_is_registered_once_in_one_line():
+    """A plugin module under libraries/ that the registry never names would be silently left out
+    of --all; each is registered in exactly one `REGISTRY.register(` line."""
+    import re
+    from pathlib import Path
+
+    import recipe.checks.upstream.libraries as libraries
+    from recipe.checks.upstream import registry
+
+    source = Path(registry.__file__).read_text()
+    used = set(re.findall(r"^REGISTRY\.register\(\"[^\"]+\", (\w+)\.", source, flags=re.M))
+    plugins = {p.stem for p in Path(libraries.__file__).parent.glob("*.py")}
+    helpers = {"__init__", "nemo_automodel_truth"}  # a plugin's own truth, not a library
+    assert used == plugins - helpers
