@@ -1,5 +1,5 @@
-"""What the checked functions outside `adapters.py` share: the stand-ins for the collectives and
-process groups they call, the broken copy (one line of the release's source changed), the worst of
+"""What the library plugins share: the stand-ins for the collectives and process groups their
+functions call, the broken copy (one line of the release's source changed), the worst of
 several findings, and the reproducers' own reference of the zigzag and contiguous layouts.
 
 A reproducer must run with torch and the wheel alone, so it cannot call the recipe's ground truth;
@@ -103,26 +103,44 @@ class CollectivesStandIn:
         return getattr(torch, name)
 
 
+def mutated_source(function, line: str, replacement: str, label: str) -> str:
+    """The released source of `function` with `line` (which must be in it exactly once) replaced
+    by `replacement`: every plugin's negative control is this one-line change. Raises
+    UpstreamUnavailable when the release no longer has the line once."""
+    source = inspect.getsource(function)
+    if source.count(line) != 1:
+        raise UpstreamUnavailable(
+            f"{label}: the negative control's line `{line}` is not once in this release's "
+            f"{function.__name__}; its plugin must learn the function's new shape"
+        )
+    return source.replace(line, replacement)
+
+
 def mutated_copy(module, names: tuple[str, ...], target: str | None, line: str, replacement: str,
                  label: str, overrides: dict | None = None):  # fmt: skip
     """A copy of `module` whose functions `names` are re-executed from their released source in
     the copy's namespace (after `overrides` are set in it), `line` of `target` replaced by
-    `replacement` (the negative control; target None changes no line). Raises
-    UpstreamUnavailable when the line is no longer in the release."""
+    `replacement` (`mutated_source`; target None changes no line). Executed in the copy's own
+    namespace, so the stand-ins a plugin sets on the copy are what the functions read."""
     broken = type(module)(module.__name__ + "_broken")
     vars(broken).update({k: v for k, v in vars(module).items() if k != "__name__"})
     vars(broken).update(overrides or {})
     for name in names:
-        source = inspect.getsource(getattr(module, name))
+        function = getattr(module, name)
         if name == target:
-            if line not in source:
-                raise UpstreamUnavailable(
-                    f"{label}: the negative control's line `{line}` is not in this release's "
-                    f"{name}; the checker must learn its new shape"
-                )
-            source = source.replace(line, replacement)
+            source = mutated_source(function, line, replacement, label)
+        else:
+            source = inspect.getsource(function)
         exec(source, vars(broken))  # noqa: S102 (the release's own source, or our one-line change)
     return broken
+
+
+def mutated_function(function, line: str, replacement: str, label: str):
+    """`function` with one line changed (`mutated_source`), executed in a copy of its module's
+    namespace (the stand-ins set on the copy never reach the release)."""
+    namespace = dict(function.__globals__)
+    exec(mutated_source(function, line, replacement, label), namespace)  # noqa: S102
+    return namespace[function.__name__]
 
 
 def truth_outputs(lengths, cp: int, tp: int, fields=FIELDS, *, layout: str = "zigzag",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
     CheckTarget,
     ContractChecked,
@@ -238,23 +239,11 @@ class Loaded(ContractChecked):
         names = {"function": self.function_name, "inverse": self.inverse_name}
         if names[part] is None:
             raise UpstreamUnavailable(f"{self.label} has no {part} to break")
-        # The copies are executed in the new module's own namespace, so the stand-ins for
-        # parallel_state and the gather that this module's users set on it are what they read.
-        broken = type(self.module)(self.module.__name__ + "_broken")
-        vars(broken).update({k: v for k, v in vars(self.module).items() if k != "__name__"})
-        for which, name in names.items():
-            if name is None:
-                continue
-            source = inspect.getsource(getattr(self.module, name))
-            if which == part:
-                line = mutations[part]
-                if line not in source:
-                    raise UpstreamUnavailable(
-                        f"{self.label}: the negative control's line `{line}` is not in this "
-                        f"release's {name}; the adapter must learn its new shape"
-                    )
-                source = source.replace(line, line + " + 1")
-            exec(source, vars(broken))  # noqa: S102 (the release's own source, or our mutation)
+        line = mutations[part]
+        present = tuple(name for name in names.values() if name is not None)
+        broken = layouts.mutated_copy(
+            self.module, present, names[part], line, line + " + 1", self.label
+        )
         return dataclasses.replace(self, released=dataclasses.replace(self.released, module=broken))
 
 

@@ -71,6 +71,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
     Checked,
     CheckTarget,
@@ -937,18 +938,7 @@ class _ArealChecked:
             )
         victim, line, slip = known[part]
         pcp = self.release.modules["pcp"]
-        broken = type(pcp)(pcp.__name__ + "_broken")
-        vars(broken).update({k: v for k, v in vars(pcp).items() if k != "__name__"})
-        for name in RUN:
-            source = inspect.getsource(getattr(pcp, name))
-            if name == victim:
-                if source.count(line) != 1:
-                    raise UpstreamUnavailable(
-                        f"{self.label}: the negative control's line `{line}` is not once in "
-                        f"this release's {name}; the check must learn its new shape"
-                    )
-                source = source.replace(line, slip)
-            exec(source, vars(broken))  # noqa: S102 (the release's own source, or our mutation)
+        broken = layouts.mutated_copy(pcp, RUN, victim, line, slip, self.label)
         modules = {**self.release.modules, "pcp": broken}
         release = Release(self.version, modules, self.release.statements, self.release.lines)
         target = ArealTarget(self.name, self.file, self.KIND)

@@ -95,6 +95,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
     Checked,
     CheckTarget,
@@ -453,20 +454,6 @@ def _swift(version: str | None) -> _Swift:
     if undo is not None:
         utils._undo_attention_load_balancing = _with_te_stand_in(undo)
     return _Swift(version, bridge, bridge_version or "installed", collator, utils, split, trainer)
-
-
-def _mutated(function: Callable, line: str, new: str, label: str) -> Callable:
-    """`function` with `line` of its source replaced by `new`, executed in a copy of its
-    module's namespace (the stand-ins set on a copy never reach the release)."""
-    source = inspect.getsource(function)
-    if line not in source:
-        raise UpstreamUnavailable(
-            f"{label}: the negative control's line `{line}` is not in this release's "
-            f"{function.__name__}; the adapter must learn its new shape"
-        )
-    namespace = dict(function.__globals__)
-    exec(source.replace(line, new), namespace)  # noqa: S102 (the release's own source, mutated)
-    return namespace[function.__name__]
 
 
 # --------------------------------------------------------------------- the options of the path
@@ -867,7 +854,7 @@ class _BatchChecked(ContractChecked):
             raise UpstreamUnavailable(f"{self.label} has no {part} to break")
         broken = copy.copy(self)
         broken.unknown = []
-        broken.cp_split = _mutated(
+        broken.cp_split = layouts.mutated_function(
             self.cp_split,
             "getattr(packed_seq_params, 'cu_seqlens_q', None), -1",
             "getattr(packed_seq_params, 'cu_seqlens', None), -1",
@@ -1025,7 +1012,7 @@ class _SplitChecked(ContractChecked):
         if part != "function":
             raise UpstreamUnavailable(f"{self.label} has no {part} to break")
         broken = copy.copy(self)
-        broken.split = _mutated(self.split, "(2 * cp_size - cp_rank - 1)",
+        broken.split = layouts.mutated_function(self.split, "(2 * cp_size - cp_rank - 1)",
                                 "(2 * cp_size - cp_rank - 2)", self.label)  # fmt: skip
         return broken
 
@@ -1236,7 +1223,7 @@ class _RoundTripChecked(Checked):
         if part not in ("function", "inverse"):
             raise UpstreamUnavailable(f"{self.label} has no {part} to break")
         broken = copy.copy(self)
-        broken.inverse = _mutated(self.inverse, *self.mutation, self.label)
+        broken.inverse = layouts.mutated_function(self.inverse, *self.mutation, self.label)
         return broken
 
     call: str  # how the reproducer calls the inverse: "utils", "trainer" or "bridge"

@@ -60,6 +60,7 @@ import sys
 import types
 from dataclasses import dataclass, field
 
+from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
     Checked,
     CheckTarget,
@@ -185,18 +186,7 @@ def _mutated_copy(module: types.ModuleType, label: str, mutation: tuple, calls: 
     """A copy of `module` whose `mutation[0]` has one line changed; the functions in `calls`
     (which call it) are executed in the copy too, so they reach the broken one."""
     name, line, broken_line = mutation
-    source = inspect.getsource(getattr(module, name))
-    if line not in source:
-        raise UpstreamUnavailable(
-            f"{label}: the negative control's line `{line}` is not in this release's {name}; "
-            "the adapter must learn its new shape"
-        )
-    copy = types.ModuleType(module.__name__ + "_broken")
-    vars(copy).update({k: v for k, v in vars(module).items() if k != "__name__"})
-    exec(source.replace(line, broken_line, 1), vars(copy))  # noqa: S102 (the release's own code)
-    for caller in calls:
-        exec(inspect.getsource(getattr(module, caller)), vars(copy))  # noqa: S102
-    return copy
+    return layouts.mutated_copy(module, (name, *calls), name, line, broken_line, label)
 
 
 @dataclass

@@ -55,6 +55,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
     Checked,
     CheckTarget,
@@ -374,15 +375,9 @@ class PrepareChecked(Checked):
     def broken_copy(self, part: str = "function") -> PrepareChecked:
         if part != "function":
             raise UpstreamUnavailable(f"{self.label} has no {part} to break")
-        source = inspect.getsource(self.function)
-        if CONTROL_LINE not in source:
-            raise UpstreamUnavailable(
-                f"{self.label}: the negative control's line `{CONTROL_LINE}` is not in this "
-                f"release's {FUNCTION}; the adapter must learn its new shape"
-            )
-        broken = type(self.module)(self.module.__name__ + "_broken")
-        vars(broken).update({k: v for k, v in vars(self.module).items() if k != "__name__"})
-        exec(source.replace(CONTROL_LINE, CONTROL_LINE + " + 1"), vars(broken))  # noqa: S102
+        broken = layouts.mutated_copy(
+            self.module, (FUNCTION,), FUNCTION, CONTROL_LINE, CONTROL_LINE + " + 1", self.label
+        )
         return PrepareChecked(
             self.library, self.version, self.name, self.distribution, self.file,
             dict(self.drawn), dict(self.skipped), self.notes, broken,

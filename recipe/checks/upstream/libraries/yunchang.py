@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
     Checked,
     CheckTarget,
@@ -525,17 +526,8 @@ class ExtractChecked(Checked):
         if part != "function":
             raise UpstreamUnavailable(f"{self.label} has no {part} to break (only: function)")
         line, mutated = MUTATIONS[self.function_name]
-        source = inspect.getsource(getattr(self.module, self.function_name))
-        if line not in source:
-            raise UpstreamUnavailable(
-                f"{self.label}: the negative control's line `{line}` is not in this release's "
-                ""
-                f"{self.function_name}; recipe/checks/upstream/libraries/yunchang.py must learn "
-                "its new shape"
-            )
-        broken = type(self.module)(self.module.__name__ + "_broken")
-        vars(broken).update({k: v for k, v in vars(self.module).items() if k != "__name__"})
-        exec(source.replace(line, mutated), vars(broken))  # noqa: S102 (the release's source, mutated)
+        name = self.function_name
+        broken = layouts.mutated_copy(self.module, (name,), name, line, mutated, self.label)
         return dataclasses.replace(self, module=broken, broken=True)
 
     def reproducer(self, finding: Finding) -> str | None:
