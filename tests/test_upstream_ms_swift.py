@@ -29,6 +29,7 @@ import sys
 import pytest
 import torch
 
+from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.libraries import ms_swift
 from recipe.checks.upstream.runner import check_target
 from recipe.parallel.cp.contract import Impact
@@ -218,7 +219,7 @@ def test_an_option_the_adapter_does_not_know_refuses(batch):
     with pytest.raises(UpstreamUnavailable, match="unknown options"):
         batch.finding(([3], 2, 1), {"cp_layout": "zigzag"})
     reads_more = batch.broken_copy()
-    reads_more.cp_split = ms_swift._mutated(
+    reads_more.cp_split = layouts.mutated_function(
         batch.cp_split,
         "cp_size = mpu.get_context_parallel_world_size()",
         "cp_size = mpu.get_context_parallel_world_size() + 0 * bool(getattr(args, 'cp_new', 0))",

@@ -55,7 +55,7 @@ class ParallelStateStandIn:
         return self.tp_size
 
     def get_context_parallel_group(self):
-        return None  # the gather is played by _GatherStandIn, which ignores the group
+        return None  # a checker's gather stand-in plays the collectives and ignores the group
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,33 @@ def round_trip_values(lengths, width: int | None) -> list[torch.Tensor]:
     return values
 
 
+class DistributedStandIn:
+    """torch.distributed as a postprocess function sees it while one process plays every rank:
+    all_gather hands back every rank's shard as that rank's own preprocess call produced it."""
+
+    def __init__(self, shards: list[torch.Tensor]):
+        self._shards = shards
+
+    def all_gather(self, outputs: list, tensor, group=None) -> None:
+        if len(outputs) != len(self._shards):
+            raise RuntimeError(f"all_gather into {len(outputs)} tensors over {len(self._shards)}")
+        for out, shard in zip(outputs, self._shards, strict=True):
+            out.copy_(shard)
+
+    def __getattr__(self, name: str):
+        return getattr(torch.distributed, name)
+
+
+class GatherStandIn:
+    """The module's `torch` with its collectives played (see DistributedStandIn)."""
+
+    def __init__(self, shards: list[torch.Tensor]):
+        self.distributed = DistributedStandIn(shards)
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
 class GroupStandIn:
     """A process group as Bridge's code asks it: its size and this rank."""
 

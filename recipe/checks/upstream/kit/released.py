@@ -20,6 +20,7 @@ from recipe.checks.upstream.kit.checked import (
     function_line,
     reproducer_source,
 )
+from recipe.checks.upstream.kit.layouts import GatherStandIn
 from recipe.parallel.cp.contract import Impact, global_batch, index_preprocess
 from recipe.upstream import releases
 from recipe.upstream.releases import (
@@ -32,31 +33,6 @@ from recipe.upstream.releases import (
     thd_fields,
 )
 from recipe.upstream.source import UpstreamUnavailable
-
-
-class DistributedStandIn:
-    """torch.distributed as a postprocess function sees it while one process plays every rank:
-    all_gather hands back every rank's shard as that rank's own preprocess call produced it."""
-
-    def __init__(self, shards: list[torch.Tensor]):
-        self._shards = shards
-
-    def all_gather(self, outputs: list, tensor, group=None) -> None:
-        for out, shard in zip(outputs, self._shards, strict=True):
-            out.copy_(shard)
-
-    def __getattr__(self, name: str):
-        return getattr(torch.distributed, name)
-
-
-class GatherStandIn:
-    """The module's `torch` with its collectives played (see DistributedStandIn)."""
-
-    def __init__(self, shards: list[torch.Tensor]):
-        self.distributed = DistributedStandIn(shards)
-
-    def __getattr__(self, name: str):
-        return getattr(torch, name)
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ from recipe.checks.upstream.kit.checked import (
 )
 from recipe.parallel.cp.contract import Impact, global_batch
 from recipe.parallel.cp.zigzag import zigzag_index
+from recipe.upstream.releases import ParallelStateStandIn
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
 DISTRIBUTION = "areal"
@@ -240,25 +241,6 @@ def run_statements(statements, namespace: dict) -> dict:
     return namespace
 
 
-class RankStandIn:
-    """megatron's parallel_state for one rank, while one process plays every rank."""
-
-    def __init__(self, cp_size, cp_rank, tp_size):
-        self.cp_size, self.cp_rank, self.tp_size = cp_size, cp_rank, tp_size
-
-    def get_context_parallel_world_size(self):
-        return self.cp_size
-
-    def get_context_parallel_rank(self):
-        return self.cp_rank
-
-    def get_tensor_model_parallel_world_size(self):
-        return self.tp_size
-
-    def get_context_parallel_group(self):
-        return None  # the all-gathers are played by GatherStandIn, which needs no group
-
-
 class GatherStandIn:
     """torch.distributed (`dist`) and torch.distributed.nn.functional (`dist_F`) as one rank
     sees them: all_gather hands back every rank's shard, this rank's being the one it passes."""
@@ -355,7 +337,7 @@ def split_on_rank(modules, statements, padded_mb, cp, rank, tp):
     import torch
 
     pcp = modules["pcp"]
-    pcp.mpu = RankStandIn(cp, rank, tp)
+    pcp.mpu = ParallelStateStandIn(cp, rank, tp)
     tokens, params = pcp.preprocess_packed_seqs_context_parallel(
         padded_mb["input_ids"], padded_mb["cu_seqlens"]
     )
@@ -398,7 +380,7 @@ def shards_and_stream(modules, statements, case, options):
     )
     shards = []
     for rank in range(case["cp"]):
-        pcp.mpu = RankStandIn(case["cp"], rank, case["tp"])
+        pcp.mpu = ParallelStateStandIn(case["cp"], rank, case["tp"])
         shard = pcp.preprocess_packed_seqs_context_parallel(
             padded_mb["input_ids"], padded_mb["cu_seqlens"]
         )[0]
@@ -415,7 +397,7 @@ def reassembly_outputs(modules, statements, case, options):
             modules, statements, case, options
         )
         for rank in range(case["cp"]):
-            pcp.mpu = RankStandIn(case["cp"], rank, case["tp"])
+            pcp.mpu = ParallelStateStandIn(case["cp"], rank, case["tp"])
             pcp.dist_F = GatherStandIn(shards, rank)
             namespace = {
                 "logprobs": shards[rank],
@@ -443,7 +425,7 @@ def postprocess_outputs(modules, statements, case, options):
         wide = [(s[:, None] + torch.arange(width) / 4).unsqueeze(0) for s in shards]
         cu = padded_mb["cu_seqlens"] if options.get("pass_cu_seqlens", True) else None
         for rank in range(case["cp"]):
-            pcp.mpu = RankStandIn(case["cp"], rank, case["tp"])
+            pcp.mpu = ParallelStateStandIn(case["cp"], rank, case["tp"])
             pcp.dist = GatherStandIn(wide, rank)
             out = pcp.postprocess_packed_seqs_context_parallel(
                 wide[rank].clone(),
@@ -651,7 +633,7 @@ def postprocess_problems(outputs, case, options):
 _SHIPPED = (
     engine_statements,
     run_statements,
-    RankStandIn,
+    ParallelStateStandIn,
     GatherStandIn,
     load_modules,
     case_values,

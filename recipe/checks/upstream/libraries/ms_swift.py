@@ -71,9 +71,10 @@ one of these: any other refuses the check, see `_Strict`):
 Stubs (imports the checked code never calls, or stand-ins named here): logging, transformers,
 peft, PIL, modelscope, accelerate and swift's own helpers; `to_device` is the identity and
 `get_current_device` 'cpu' (the batch stays where it is); megatron's parallel_state is
-`_Ranks` (one process plays every rank); megatron-core's `_undo_attention_load_balancing` runs
-as installed, with TransformerEngine's `thd_get_partitioned_indices` (a CUDA kernel) played by
-`_TEPartitionStandIn`, transcribed from TE's `thd_partition_indices_kernel`.
+`ParallelStateStandIn` (one process plays every rank); megatron-core's
+`_undo_attention_load_balancing` runs as installed, with TransformerEngine's
+`thd_get_partitioned_indices` (a CUDA kernel) played by `_TEPartitionStandIn`, transcribed from
+TE's `thd_partition_indices_kernel`.
 
 Reproducers (torch and the wheels; megatron imports answered by placeholders, except for the
 inverses that call megatron-core's undo, which need megatron-core): the batch path's fetches
@@ -106,6 +107,7 @@ from recipe.checks.upstream.kit.checked import (
     reproducer_source,
 )
 from recipe.parallel.cp.contract import Impact, global_batch
+from recipe.upstream.releases import ParallelStateStandIn
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
 SWIFT = "ms-swift"
@@ -131,52 +133,6 @@ def _get_logger(*args, **kwargs):
 
 
 # ---------------------------------------------------------------- stand-ins for the dependencies
-
-
-class _Ranks:
-    """megatron's parallel_state (`mpu`) as the checked code asks it, for one drawn rank."""
-
-    def __init__(self, cp_size: int, cp_rank: int, tp_size: int):
-        self.cp_size, self.cp_rank, self.tp_size = cp_size, cp_rank, tp_size
-
-    def get_context_parallel_world_size(self) -> int:
-        return self.cp_size
-
-    def get_context_parallel_rank(self) -> int:
-        return self.cp_rank
-
-    def get_tensor_model_parallel_world_size(self) -> int:
-        return self.tp_size
-
-    def get_context_parallel_group(self):
-        return None  # the gather is played by _Collectives, which ignores the group
-
-
-class _Distributed:
-    """torch.distributed while one process plays every rank: all_gather hands back every
-    rank's shard as that rank's own split produced it."""
-
-    def __init__(self, shards: list[torch.Tensor]):
-        self._shards = shards
-
-    def all_gather(self, outputs: list, tensor, group=None) -> None:
-        if len(outputs) != len(self._shards):
-            raise RuntimeError(f"all_gather into {len(outputs)} tensors over {len(self._shards)}")
-        for out, shard in zip(outputs, self._shards, strict=True):
-            out.copy_(shard)
-
-    def __getattr__(self, name: str):
-        return getattr(torch.distributed, name)
-
-
-class _Collectives:
-    """A module's `torch` with its collectives played by _Distributed."""
-
-    def __init__(self, shards: list[torch.Tensor]):
-        self.distributed = _Distributed(shards)
-
-    def __getattr__(self, name: str):
-        return getattr(torch, name)
 
 
 class _TEPartitionStandIn:
@@ -569,7 +525,7 @@ def _run_path(swift: _Swift, cp_split: Callable, sequences, cp: int, rank: int, 
     data = template._data_collator(_encoded(sequences, s.get("loss_scale", False)),
                                    padding_to=padding_to)  # fmt: skip
     rows, width = data["input_ids"].shape
-    ranks = _Ranks(cp, rank, tp)
+    ranks = ParallelStateStandIn(cp, rank, tp)
     swift.bridge.mpu = ranks
     cp_split.__globals__["mpu"] = ranks
     swift.trainer.mpu = ranks
@@ -967,7 +923,7 @@ class _SplitChecked(ContractChecked):
         """(this rank's fields as [b, s/cp] rows flattened, the boundaries, rows, width)."""
         rows = s["cu_seqlens"] == "rows"
         fields, layout, width = _stream_rows(sequences, cu, rows)
-        self.split.__globals__["mpu"] = _Ranks(cp, rank, tp)
+        self.split.__globals__["mpu"] = ParallelStateStandIn(cp, rank, tp)
         kwargs = {} if s["cp_partition_mode"] == "zigzag" else {"cp_partition_mode": "contiguous"}
         out = {}
         for name, value in fields.items():
@@ -1174,7 +1130,7 @@ class _RoundTripChecked(Checked):
         kwargs = {} if s["cp_partition_mode"] == "zigzag" else {"cp_partition_mode": "contiguous"}
         shards = []
         for rank in range(cp):
-            self.split.__globals__["mpu"] = _Ranks(cp, rank, tp)
+            self.split.__globals__["mpu"] = ParallelStateStandIn(cp, rank, tp)
             shards.append(self.split(tensor, row.cu, dim, **kwargs))
         return shards
 
@@ -1183,9 +1139,9 @@ class _RoundTripChecked(Checked):
         shards = self._shards(row, cp, tp, s)
         namespace = self.inverse.__globals__
         results = []
-        with _swapped(namespace, torch=_Collectives(shards)):
+        with _swapped(namespace, torch=layouts.GatherStandIn(shards)):
             for rank in range(cp):
-                namespace["mpu"] = _Ranks(cp, rank, tp)
+                namespace["mpu"] = ParallelStateStandIn(cp, rank, tp)
                 results.append(_unshaped(self._call(shards[rank], row, cp, s),
                                          self._layout_option(s)))  # fmt: skip
         return results
