@@ -175,7 +175,7 @@ def test_an_option_the_adapter_does_not_know_stops_the_check(monkeypatch, tmp_pa
     monkeypatch.setattr(
         "recipe.upstream.releases.source_file", lambda dist, version, rel: (source, "9.9")
     )
-    with pytest.raises(UpstreamUnavailable, match="option the adapter does not know"):
+    with pytest.raises(UpstreamUnavailable, match="option the checker does not know"):
         load("verl", "9.9", THD)
 
 

@@ -147,6 +147,33 @@ INPUT_OPTIONS = {
 }
 
 
+def unknown_option(label: str, param: str, plugin: str) -> UpstreamUnavailable:
+    """The refusal of an option nobody taught the checker: it may change the layout. `plugin`:
+    the dotted module that must learn it."""
+    return UpstreamUnavailable(
+        f"{label} has an option the checker does not know: {param!r}. It may change the "
+        f"layout, so the check stops; teach {plugin.replace('.', '/')}.py what it does (draw it "
+        "or fix it with a reason)"
+    )
+
+
+def partition_options(function, label: str, plugin: str, fixed: dict[str, str],
+                      drawn: dict[str, tuple] | None = None) -> tuple[dict, dict]:  # fmt: skip
+    """(drawn, fixed) of `function`'s signature, in its order: each parameter is drawn (its
+    values from `drawn`) or fixed (its reason from `fixed`); any other refuses the check
+    (`unknown_option`). Every plugin partitions its functions' options through this."""
+    chosen: dict[str, tuple] = {}
+    skipped: dict[str, str] = {}
+    for param in inspect.signature(function).parameters:
+        if param in fixed:
+            skipped[param] = fixed[param]
+        elif drawn is not None and param in drawn:
+            chosen[param] = drawn[param]
+        else:
+            raise unknown_option(label, param, plugin)
+    return chosen, skipped
+
+
 def _packed_seq_params_has(name: str) -> bool:
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -270,26 +297,17 @@ def load(library: str, version: str | None, target: Target) -> Released:
         raise UpstreamUnavailable(
             f"{library}@{version} has none of {', '.join(target.functions)} in {target.file}"
         )
-    drawn: dict[str, tuple] = {}
-    skipped: dict[str, str] = {}
-    for param in inspect.signature(getattr(module, name)).parameters:
-        if param in FIXED:
-            skipped[param] = FIXED[param]
-        elif param == "cp_layout" and not _packed_seq_params_has("cp_partition_mode"):
-            skipped[param] = (
-                "zigzag only: the installed megatron-core's PackedSeqParams has no "
-                "cp_partition_mode, and the function refuses 'contiguous' without it"
-            )
-        elif param == "cp_layout":
-            skipped[param] = "zigzag only: the checker's ground truth is the zigzag layout"
-        elif param in DRAWN:
-            drawn[param] = DRAWN[param]
-        else:
-            raise UpstreamUnavailable(
-                f"{library}@{version} {name} has an option the adapter does not know: {param!r}. "
-                "It may change the layout, so the check stops; teach recipe/upstream/releases.py "
-                "what it does (draw it or fix it with a reason)"
-            )
+    if _packed_seq_params_has("cp_partition_mode"):
+        cp_layout = "zigzag only: the checker's ground truth is the zigzag layout"
+    else:
+        cp_layout = (
+            "zigzag only: the installed megatron-core's PackedSeqParams has no "
+            "cp_partition_mode, and the function refuses 'contiguous' without it"
+        )
+    drawn, skipped = partition_options(
+        getattr(module, name), f"{library}@{version} {name}", __name__,
+        {**FIXED, "cp_layout": cp_layout}, DRAWN,
+    )  # fmt: skip
     if target.style == "bshd":
         drawn.update(INPUT_OPTIONS)
     inverse = next((n for n in target.inverse if callable(getattr(module, n, None))), None)

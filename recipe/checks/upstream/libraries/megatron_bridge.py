@@ -113,16 +113,7 @@ FIXED = {
 
 
 def _refuse_unknown(label: str, function) -> dict[str, str]:
-    skipped = {}
-    for param in inspect.signature(function).parameters:
-        if param not in FIXED:
-            raise UpstreamUnavailable(
-                f"{label} has an option the checker does not know: {param!r}. It may change the "
-                "layout, so the check stops; teach "
-                "recipe/checks/upstream/libraries/megatron_bridge.py what it does"
-            )
-        skipped[param] = FIXED[param]
-    return skipped
+    return releases.partition_options(function, label, __name__, FIXED)[1]
 
 
 class TransformerEngineStandIn:

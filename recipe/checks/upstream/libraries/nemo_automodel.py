@@ -71,6 +71,7 @@ from recipe.checks.upstream.kit.checked import (
 )
 from recipe.checks.upstream.libraries import nemo_automodel_truth as truth
 from recipe.parallel.cp.contract import Impact
+from recipe.upstream.releases import partition_options
 from recipe.upstream.source import UpstreamUnavailable, source_file
 
 DISTRIBUTION = "nemo-automodel"
@@ -117,14 +118,7 @@ MTP_MUTATION = (
 def check_signature(function, label: str, fixed: dict, drawn: dict) -> None:
     """Every option of the signature is fixed or drawn; another one refuses the check (it may
     change the layout)."""
-    for name in inspect.signature(function).parameters:
-        if name not in fixed and name not in drawn:
-            raise UpstreamUnavailable(
-                f"{label} has an option the adapter does not know: {name!r}. It may change the "
-                "layout, so the check stops; teach "
-                "recipe/checks/upstream/libraries/nemo_automodel.py what it does "
-                "(draw it or fix it with a reason)"
-            )
+    partition_options(function, label, __name__, fixed, drawn)
 
 
 def load_registered(path, name: str) -> types.ModuleType:

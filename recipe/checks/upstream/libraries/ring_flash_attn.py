@@ -65,6 +65,7 @@ from recipe.checks.upstream.kit.checked import (
     reproducer_source,
 )
 from recipe.parallel.cp.contract import Impact, micro_batches
+from recipe.upstream.releases import partition_options
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
 FILE = "ring_flash_attn/llama3_flash_attn_varlen.py"
@@ -311,21 +312,8 @@ def problems(outputs):
 
 def signature_options(function, label: str) -> tuple[dict[str, tuple], dict[str, str]]:
     """(drawn, fixed) for the function's signature; an option not known refuses the check."""
-    drawn: dict[str, tuple] = {"padding": DRAWN["padding"]}  # an input option, not a parameter
-    skipped: dict[str, str] = {}
-    for param in inspect.signature(function).parameters:
-        if param in FIXED:
-            skipped[param] = FIXED[param]
-        elif param in DRAWN:
-            drawn[param] = DRAWN[param]
-        else:
-            raise UpstreamUnavailable(
-                f"{label} has an option the adapter does not know: {param!r}. It may change the "
-                "layout, so the check stops; teach "
-                "recipe/checks/upstream/libraries/ring_flash_attn.py what it "
-                "does (draw it or fix it with a reason)"
-            )
-    return drawn, skipped
+    drawn, skipped = partition_options(function, label, __name__, FIXED, DRAWN)
+    return {"padding": DRAWN["padding"], **drawn}, skipped  # padding: an input option
 
 
 def _case_text(lengths, world_size, padding) -> str:

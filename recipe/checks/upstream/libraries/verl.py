@@ -120,20 +120,7 @@ class BshdEngineTarget(CheckTarget):
         if not callable(getattr(module, INVERSE, None)):
             raise UpstreamUnavailable(f"{library}@{version} has no {INVERSE} in {FILE}")
         label = f"{library}@{version} {FUNCTION}"
-        drawn: dict[str, tuple] = {}
-        skipped: dict[str, str] = {}
-        for param in inspect.signature(function).parameters:
-            if param in FIXED:
-                skipped[param] = FIXED[param]
-            elif param in DRAWN:
-                drawn[param] = DRAWN[param]
-            else:
-                raise UpstreamUnavailable(
-                    f"{label} has an option the checker does not know: {param!r}. It may change "
-                    "the layout, so the check stops; teach "
-                    "recipe/checks/upstream/libraries/verl.py what it "
-                    "does (draw it or fix it with a reason)"
-                )
+        drawn, skipped = releases.partition_options(function, label, __name__, FIXED, DRAWN)
         body = inspect.getsource(function).split('"""')[-1]
         if "pre_process" in body:
             raise UpstreamUnavailable(

@@ -71,6 +71,7 @@ from recipe.checks.upstream.kit.checked import (
     reproducer_source,
 )
 from recipe.parallel.cp.contract import Impact
+from recipe.upstream.releases import unknown_option
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
 DISTRIBUTION = "yunchang"
@@ -619,11 +620,7 @@ _ABSENT = object()
 
 
 def _unknown(label: str, where: str, param: str) -> UpstreamUnavailable:
-    return UpstreamUnavailable(
-        f"{label}: {where} has an option the checker does not know: {param!r}. It may change the "
-        "layout, so the check stops; teach recipe/checks/upstream/libraries/yunchang.py what "
-        "it does"
-    )
+    return unknown_option(f"{label}: {where}", param, __name__)
 
 
 LIBRARY = Library(
