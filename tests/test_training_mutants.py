@@ -104,6 +104,8 @@ def test_a_bug_that_starts_late_fails_at_an_anchor_however_wide_the_floor(tmp_pa
     score = (sweep / "mutation_report.md").read_text()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert score.strip().splitlines()[-1] == "training mutation score: 1/1 caught"
+    assert "training mutation score (every mutant caught)" in done.stdout
+    assert "parity report (every mutant caught)" in done.stdout  # not "all PASS": a FAIL is in it
     assert "| rank_local_loss | 2 | 21 | anchor 20 (grad_norm) |" in score
     assert "PASS (correct run)" in score
     report = (sweep / "parity_report.md").read_text()

@@ -253,6 +253,11 @@ REPORT_FILE = "parity_report.md"
 PLOT_FILE = "loss_curves.png"
 
 
+def is_mutant_sweep(runs) -> bool:
+    """Whether any run trained a training mutant (then the sweep is scored, not just judged)."""
+    return any(r.config.get("mutant.name", "none") != "none" for r in runs)
+
+
 def write_report(
     runs: list[Run],
     out_dir: str | Path,
@@ -283,7 +288,7 @@ def write_report(
         report += "\n## Per-token parity\n\n" + "\n\n".join(token_sections) + "\n"
     (out_dir / REPORT_FILE).write_text(report)
     plot_comparisons(comparisons, out_dir / PLOT_FILE, title=str(out_dir))
-    if any(r.config.get("mutant.name", "none") != "none" for r in runs):
+    if is_mutant_sweep(runs):
         # a mutant sweep passes when every mutant FAILs and every correct run PASSES
         score, scored = render_mutation_score(comparisons, failures)
         (out_dir / MUTATION_FILE).write_text(score)

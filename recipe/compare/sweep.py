@@ -35,7 +35,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipe.compare.conventions import CONVENTIONS_FILE, sweep_tables, uses_conventions
 from recipe.compare.jobs import JOBS_DIR, record_job, recorded_jobs
-from recipe.compare.report import MUTATION_FILE, PLOT_FILE, REPORT_FILE, write_report
+from recipe.compare.report import (
+    MUTATION_FILE,
+    PLOT_FILE,
+    REPORT_FILE,
+    is_mutant_sweep,
+    write_report,
+)
 from recipe.compare.runs import find_runs
 from recipe.config import CompareConfig, ConfigError
 from recipe.environment import read_environment
@@ -173,7 +179,12 @@ class ParityReportCallback(Callback):
             margin=float(self.compare_cfg.noise_margin),
         )
         print(report)
-        verdict = "all PASS" if passed else "some FAIL"
+        if (sweep_dir / MUTATION_FILE).is_file() and is_mutant_sweep(runs):
+            # passing means every mutant caught and every correct run PASSing, not "all PASS"
+            verdict = "every mutant caught" if passed else "a mutant missed or a correct run FAILed"
+            print(f"training mutation score ({verdict}): {sweep_dir / MUTATION_FILE}")
+        else:
+            verdict = "all PASS" if passed else "some FAIL"
         print(f"parity report ({verdict}): {sweep_dir / REPORT_FILE}, {sweep_dir / PLOT_FILE}")
         if uses_conventions(runs):  # a row per convention (or ablation) and layout
             sweep = [(sweep_dir.name, runs, failures)]
