@@ -88,7 +88,8 @@ def test_a_contract_breach_and_a_bad_name_are_reported(capsys):
 def test_a_count_out_of_range_is_a_usage_error(tool, argv, message, capsys):
     """`--cases 0` ended in hypothesis's traceback with exit 1 (1 means a finding), and
     megatron-core's roll check passed 0 cases with exit 0."""
-    from recipe.checks import preprocess, upstream_cli
+    from recipe.checks import preprocess
+    from recipe.checks.upstream import cli as upstream_cli
 
     with pytest.raises(SystemExit) as exited:
         {"preprocess": preprocess.main, "upstream": upstream_cli.main}[tool](argv)

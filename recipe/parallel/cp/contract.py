@@ -228,8 +228,9 @@ def _layout_problem(lengths: list[int], cu: Tensor, cp_size: int, tp_size: int =
     return None
 
 
-def _unique_sequences(lengths: list[int]) -> list[list[int]]:
-    """Sequences of these lengths whose token ids are unique over the batch (0 is padding)."""
+def unique_sequences(lengths: list[int]) -> list[list[int]]:
+    """Sequences of these lengths whose token ids are unique over the batch (0 is padding): how
+    the contract's checks, and the plugins that call a function on a case, draw its tokens."""
     stride = max(lengths) + 1
     return [[1 + stride * i + j for j in range(n)] for i, n in enumerate(lengths)]
 
@@ -292,7 +293,7 @@ def first_mismatch(
     """Run `fn` on every rank of one micro-batch of sequences with these lengths; the first slot
     that differs from the ground truth, or None. Token ids are unique per slot, so a token in the
     wrong place cannot match by accident."""
-    sequences = _unique_sequences(lengths)
+    sequences = unique_sequences(lengths)
     cu_given = global_batch(sequences, cp_size, tp_size).cu_seqlens_padded
     for rank in range(cp_size):
         got = call(fn, sequences, cu_given, cp_size, rank, tp_size)
@@ -410,7 +411,7 @@ def assess(
     over padding laid out wrong) and where. With `sequence_parallel` (the recipe's way at tp > 1)
     each rank's slots must also split evenly over the tp ranks."""
     case = _case(lengths, cp_size, tp_size)
-    sequences = _unique_sequences(lengths)
+    sequences = unique_sequences(lengths)
     cu_given = global_batch(sequences, cp_size, tp_size).cu_seqlens_padded
     outputs = []
     try:

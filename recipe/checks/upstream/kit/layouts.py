@@ -16,7 +16,7 @@ import inspect
 import torch
 
 from recipe.checks.upstream.kit.checked import Finding
-from recipe.parallel.cp.contract import global_batch
+from recipe.parallel.cp.contract import global_batch, unique_sequences
 from recipe.parallel.cp.zigzag import zigzag_index
 from recipe.upstream.source import UpstreamUnavailable
 
@@ -27,13 +27,6 @@ def worst(*findings: Finding | None) -> Finding | None:
     """The finding with the worst impact (the first of equals), or None."""
     present = [f for f in findings if f is not None]
     return max(present, key=lambda f: f.impact) if present else None
-
-
-def token_ids(lengths) -> list[list[int]]:
-    """The token ids the contract gives these lengths (`contract.assess` draws them the same
-    way): unique over the batch, 0 left for padding."""
-    stride = max(lengths) + 1
-    return [[1 + stride * i + p for p in range(n)] for i, n in enumerate(lengths)]
 
 
 def round_trip_values(lengths, width: int | None) -> list[torch.Tensor]:
@@ -176,7 +169,7 @@ def truth_outputs(lengths, cp: int, tp: int, fields=FIELDS, *, layout: str = "zi
     """What a correct function gives in the reproducers' structure, from the recipe's ground
     truth: the sequences padded to 2*cp*tp, each rank's slots by the zigzag index (or the
     consecutive slice for the contiguous layout)."""
-    batch = global_batch(token_ids(lengths), cp, tp)
+    batch = global_batch(unique_sequences(list(lengths)), cp, tp)
     cu = batch.cu_seqlens_padded
     ranks = []
     for rank in range(cp):

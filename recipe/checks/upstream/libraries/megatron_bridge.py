@@ -77,7 +77,7 @@ from recipe.checks.upstream.kit.checked import (
     reproducer_source,
 )
 from recipe.checks.upstream.kit.released import released_targets
-from recipe.parallel.cp.contract import LAYOUT_KEY, Impact
+from recipe.parallel.cp.contract import LAYOUT_KEY, Impact, unique_sequences
 from recipe.upstream import releases
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
@@ -300,7 +300,7 @@ class PackedSplitChecked(ContractChecked):
     def tail_finding(self, case, options: dict) -> Finding | None:
         """The slots past the last real sequence (the pack's trailing padding) train nothing."""
         lengths, cp_size, tp_size = case
-        sequences = layouts.token_ids(lengths)
+        sequences = unique_sequences(list(lengths))
         for rank in range(cp_size):
             try:
                 fields, cu = self.outputs(sequences, cp_size, rank, tp_size, options)
@@ -635,7 +635,7 @@ class ContiguousChecked(Checked):
         return function_line(self.module, self.function_name)
 
     def outputs(self, lengths, cp_size, cp_rank, tp_size, options):
-        batch, cu = packed_batch(layouts.token_ids(lengths), cp_size, tp_size, **options)
+        batch, cu = packed_batch(unique_sequences(list(lengths)), cp_size, tp_size, **options)
         self.module.parallel_state = _RankStandIn(cp_rank)
         width = batch["tokens"].size(1)
         out = getattr(self.module, self.function_name)(batch, cp_size)
@@ -718,7 +718,7 @@ def _truth_stream(lengths, cu, width: int) -> dict[str, torch.Tensor]:
     stream `width` slots wide whose sequences start at `cu`."""
     truth = {name: torch.zeros(width, dtype=torch.int64) for name in layouts.FIELDS}
     truth["real"] = torch.zeros(width, dtype=torch.bool)
-    for start, seq in zip(cu, layouts.token_ids(lengths)):
+    for start, seq in zip(cu, unique_sequences(list(lengths))):
         n = len(seq)
         truth["input_ids"][start : start + n] = torch.tensor(seq)
         truth["position_ids"][start : start + n] = torch.arange(n)

@@ -55,7 +55,7 @@ from recipe.checks.upstream.kit.checked import (
     reproducer_source,
 )
 from recipe.checks.upstream.kit.released import released_targets
-from recipe.parallel.cp.contract import LAYOUT_KEY, Impact
+from recipe.parallel.cp.contract import LAYOUT_KEY, Impact, unique_sequences
 from recipe.parallel.cp.zigzag import zigzag_index
 from recipe.upstream import releases
 from recipe.upstream.releases import ParallelStateStandIn
@@ -185,7 +185,7 @@ class BshdEngineChecked(ContractChecked):
         """The returned attention mask against the real slots of the zigzag rows."""
         lengths, cp_size, tp_size = case
         head = f"lengths={list(lengths)} cp={cp_size} tp={tp_size}"
-        rows = layouts.token_ids(lengths)
+        rows = unique_sequences(list(lengths))
         try:
             outputs = [
                 self._shard(rows, torch.int64, cp_size, r, tp_size, options) for r in range(cp_size)
@@ -226,7 +226,7 @@ class BshdEngineChecked(ContractChecked):
         lengths, cp_size, tp_size = case
         head = f"lengths={list(lengths)} cp={cp_size} tp={tp_size}"
         values = layouts.round_trip_values(lengths, options.get("output_width"))
-        rows = layouts.token_ids(lengths)
+        rows = unique_sequences(list(lengths))
         try:
             shards = []
             for rank in range(cp_size):
