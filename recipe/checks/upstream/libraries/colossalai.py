@@ -1,0 +1,398 @@
+"""ColossalAI's zigzag batch split for ring attention, as its Llama shardformer forward calls it,
+checked against the zigzag contract (`recipe/parallel/cp/contract.py`).
+
+0.5.0 is on PyPI as an sdist only (lines are its files'). With sequence_parallelism_mode
+"ring_attn", `LlamaPipelineForwards` (`shardformer/modeling/llama.py`) splits its [B, S] batch:
+the input (llama.py:151-158) by `RingAttention.prepare_varlen_batch(attention_mask, sp_group,
+hidden_states, position_ids)` (`shardformer/layer/attn.py:1173`) when the mask is not all ones,
+else by `split_batch_zigzag([hidden_states, position_ids], sp_group)` (`layer/utils.py:331`),
+position_ids being arange(S)[None] unless passed (llama.py:127); the labels (llama.py:319-326)
+alike, with is_label=True. The loss (`layer/loss.py:152`) weights every label but -100
+(loss.py:213, :217). prepare_varlen_batch splits rows with `split_varlen_zigzag` (utils.py:381),
+whose packed mode (is_batched_seq=False) is a utility the forward never calls.
+
+Ground truth: the contract's, each sequence padded to a multiple of 2*sp (ColossalAI's own
+precondition, attn.py:511-512, asserted at utils.py:436-438). The batch: a sequence per row,
+right-padded (utils.py:441 reads a row's first slots), the mask counting its padded length,
+labels = the token ids with -100 on padding (as ColossalAI's test data, tests/kit/model_zoo/
+transformers/llama.py:48-50). Each case calls every rank of:
+- `RingAttention.prepare_varlen_batch`: returns [B, max_seqlen/sp] rows, row j's first P_j/sp
+  slots its chunks, the rest local padding. The contract reads those slots (row after row, its
+  local layout); the case also checks that the local padding has label -100 and that mask_info's
+  cu_seqlens and valid_indices (ring attention unpads with them, attn.py:587) fit the rows.
+- `split_batch_zigzag`: rows padded to the longest padded length S, the mask all ones (the
+  forward's branch then); a row is a sequence of S slots (cu_seqlens_padded [0, S, 2S, ..]).
+- `split_varlen_zigzag`: the packed stream of the padded sequences, with its cu_seqlens.
+
+Findings in 0.5.0 (pinned in tests/test_upstream_colossalai.py): prepare_varlen_batch leaves
+label 0 on the local padding of shorter rows (utils.py:425, :448-449) and cuts position_ids by
+the longest row (attn.py:1229-1236), tokens by each row's length (utils.py:446-449);
+split_batch_zigzag asserts chunks of more than one token (utils.py:358-360); split_varlen_zigzag
+splits packed labels with `torch.cat(seq[1:], tensor)` (utils.py:453), a TypeError.
+
+Options: each parameter is drawn, fixed (FIXED says why) or refuses the check. Drawn:
+position_ids ("shared" = arange(S)[None], the forward's default; "per_row" = [B, S]),
+extra_columns (varlen: S past the longest padded row, 0 or 3, a fixed-width dataloader's),
+is_label (packed: True = the function rolls the labels, as the forward asks; False = the caller
+rolls them in each sequence). tp is no input (ring_attn's sp group is its own): tp=1.
+
+Stubs (nothing the checked functions call): `colossalai.accelerator` (utils.py:10),
+`colossalai.kernel.kernel_loader`, `colossalai.logging` (attn.py:11-18), `einops` (attn.py:8).
+attn.py is loaded in a private package whose `utils` has utils.py's names; `dist` in both
+answers for a (size, rank) group; attn's `_pad_input`/`_unpad_input` (flash-attn's, not called)
+are set, so `_load_varlen_helpers` (attn.py:334) imports nothing.
+
+Impact: a real token on no rank -> lost; a wrong position, label or loss weight, padding with a
+label but -100, or mask_info not describing the slots -> misplaced; a raise -> raises.
+Negative control (one line each): the back chunk taken as chunk sp+r, not 2*sp-1-r (attn.py:1230,
+utils.py:371, utils.py:455), flagged on cases the release passes.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import textwrap
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from recipe.checks.upstream.kit import checked, layouts
+from recipe.checks.upstream.kit.checked import CheckTarget, ContractChecked, Finding, Library
+from recipe.parallel.cp.contract import LAYOUT_KEY, Impact, micro_batches
+from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
+
+UTILS, ATTN = "colossalai/shardformer/layer/utils.py", "colossalai/shardformer/layer/attn.py"
+STUBS = ("colossalai", "colossalai.accelerator", "colossalai.kernel",
+         "colossalai.kernel.kernel_loader", "colossalai.logging", "einops")  # fmt: skip
+FIXED = {
+    "varlen": {
+        "padding_mask": "1 on each row's padded length (a multiple of 2*sp), right padding",
+        "inputs_embeds": "the hidden states [B, S, 1] (llama.py:154), the labels (:326)",
+        "is_label": "False for the hidden states, True for the labels (llama.py:326)",
+        "is_batched_seq": "True, the forward's; a [B, S] mask cannot mark packed documents",
+    },
+    "rows": {
+        "batch": "[hidden states [B, S, 1], position_ids] (llama.py:158), the labels (:323)",
+        "seq_dim": "1, as the forward passes it (llama.py:158 by default, :323)",
+        "is_label": "False for the hidden states and positions, True for the labels (:323)",
+    },
+    "packed": {
+        "batch": "[token ids, positions] of the packed stream, then its labels ([T])",
+        "cu_seqlens": "the stream's padded boundaries (int32, as get_pad_info gives them)",
+        "max_seqlen": "0, the default: read only in the batched mode (utils.py:409, :421-425)",
+        "is_batched_seq": "False: the batched mode is prepare_varlen_batch's, checked there",
+    },
+}
+for fixed in FIXED.values():
+    fixed["sp_group"] = "a (size, rank) stand-in of the drawn sp size; every rank is called"
+DRAWN = {
+    "varlen": {"position_ids": ("shared", "per_row"), "extra_columns": (0, 3)},
+    "rows": {"position_ids": ("shared", "per_row")},
+    "packed": {"is_label": (True, False)},
+}
+INPUT_OPTIONS = {"varlen": {"extra_columns"}, "rows": {"position_ids"}, "packed": set()}
+DEFAULTS = {kind: {k: v[0] for k, v in drawn.items()} for kind, drawn in DRAWN.items()}
+CONTROL = {  # the line whose back chunk, 2*sp - 1 - r, the control makes sp + r
+    "varlen": "indices = torch.tensor([sp_rank, 2 * sp_size - sp_rank - 1], device=inputs_embeds."
+    "device)",
+    "rows": "indices = torch.tensor([sp_rank, 2 * sp_size - 1 - sp_rank], device=tensor.device)",
+    "packed": "local_seq.extend([seq[sp_rank], seq[2 * sp_size - 1 - sp_rank]])",
+}
+NOTES = {
+    "varlen": "rows of several lengths; each case also checks the local padding and mask_info",
+    "rows": "rows padded to one length S, the mask all ones (the forward's other branch)",
+    "packed": "a packed 1-D stream (a utility: the forward never calls this mode)",
+}
+
+
+# ---- Calling the release; what contract.assess does not see. The reproducer carries this source.
+
+
+class Dist:
+    """torch.distributed as the released files call it, the group a (size, rank) stand-in."""
+
+    get_world_size = staticmethod(lambda group=None: group[0])
+    get_rank = staticmethod(lambda group=None: group[1])
+
+
+def rank_outputs(kind, function, sequences, padded, cp, rank, options):
+    """One rank's output of `function` as `kind`'s caller gets it, JSON-able: the contract's
+    fields in its local order, their layout, and for "varlen" the local padding's labels and
+    mask_info. `padded`: each sequence's padded length."""
+    import torch
+
+    group, n, top = (cp, rank), len(sequences), max(padded)
+    bounds = [sum(padded[:i]) for i in range(n + 1)]
+    if kind == "packed":
+        rolled = not options.get("is_label", True)
+        stream, positions, labels = [], [], []
+        for s, p in zip(sequences, padded):
+            stream += list(s) + [0] * (p - len(s))
+            positions += list(range(p))
+            labels += list(s[rolled:]) + [-100] * (p - len(s) + rolled)
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        tokens, positions = function([torch.tensor(stream), torch.tensor(positions)], cu, group)
+        labels = function(torch.tensor(labels), cu, group, is_label=not rolled)
+        fields = {"input_ids": tokens, "position_ids": positions, "labels": labels}
+        return _flat(fields, range(len(tokens)), bounds)
+    width = top + options.get("extra_columns", 0)
+    ids, mask = torch.zeros(n, width, dtype=torch.int64), torch.zeros(n, width, dtype=torch.int64)
+    labels = torch.full((n, width), -100)
+    for j, (s, p) in enumerate(zip(sequences, padded)):
+        ids[j, : len(s)] = labels[j, : len(s)] = torch.tensor(s, dtype=torch.int64)
+        mask[j, : p if kind == "varlen" else width] = 1
+    hidden, positions = ids[..., None].double(), torch.arange(width)[None]
+    if options.get("position_ids", "shared") == "per_row":
+        positions = positions.repeat(n, 1)
+    if kind == "varlen":
+        hidden, info, positions = function(mask, group, hidden, positions)
+        labels = function(mask, group, labels, is_label=True)[0]
+    else:
+        hidden, positions = function([hidden, positions], group)
+        labels = function(labels, group, seq_dim=1, is_label=True)
+    local = hidden.shape[1]
+    fields = {"input_ids": hidden[..., 0], "position_ids": positions.expand(n, local),
+              "labels": labels}  # fmt: skip
+    if kind == "rows":
+        return _flat(fields, range(n * local), [j * width for j in range(n + 1)])
+    out = _flat(fields, [j * local + s for j in range(n) for s in range(padded[j] // cp)], bounds)
+    out["rows"] = {"padding_labels": [labels[j, padded[j] // cp :].tolist() for j in range(n)],
+                   "cu_seqlens": info["cu_seqlens"].tolist(), "width": local,
+                   "valid_indices": info["valid_indices"].tolist()}  # fmt: skip
+    return out
+
+
+def _flat(fields, keep, layout):
+    flat = {k: [int(v) for v in t.reshape(-1).tolist()] for k, t in fields.items()}
+    flat = {k: [v[i] for i in keep] for k, v in flat.items()}
+    flat["loss_mask"] = [int(v != -100) for v in flat["labels"]]
+    return {"fields": flat, "cu_seqlens_padded": layout}
+
+
+def rows_truth(padded, cp, width):
+    """What right "varlen" rows of `width` local slots hold besides the contract's slots."""
+    local = [p // cp for p in padded]
+    valid = [j * width + s for j, n in enumerate(local) for s in range(n)]
+    cu = [sum(local[:i]) for i in range(len(local) + 1)]
+    pad = [[-100] * (width - n) for n in local]
+    return {"padding_labels": pad, "width": width, "cu_seqlens": cu, "valid_indices": valid}
+
+
+def row_problems(out, padded, cp):
+    """(impact level, message) of one rank's "varlen" rows against `rows_truth`: 3 = a local
+    padding slot has a label but -100 (dist_cross_entropy trains it, loss.py:213-217), or
+    mask_info does not describe the rows' slots (ring attention unpads with it, attn.py:587)."""
+    got, found = out.get("rows"), []
+    want = rows_truth(padded, cp, got["width"]) if got else {}
+    for j, labels in enumerate(got["padding_labels"] if got else []):
+        k = next((k for k, v in enumerate(labels) if v != -100), None)
+        if k is not None:
+            where = f"row {j}, local slot {padded[j] // cp + k} (padding past sequence {j}'s "
+            found.append((3, f"{where}{padded[j] // cp} slots): label {labels[k]}, not -100: "
+                          "dist_cross_entropy trains it and counts it"))  # fmt: skip
+    for key in ("cu_seqlens", "valid_indices") if got else ():
+        if got[key] != want[key]:
+            found.append((3, f"mask_info {key} {got[key][:12]}, expected {want[key][:12]}"))
+    return found
+
+
+SHARED = "\n\n".join(map(inspect.getsource, (Dist, rank_outputs, _flat, rows_truth, row_problems)))
+
+
+@functools.cache
+def load_release(library: str, distribution: str, version: str | None):
+    """(utils, attn, version): both files, loaded with the stubs and stand-ins above."""
+    utils_path, version = source_file(distribution, version, UTILS)
+    attn_path, _ = source_file(distribution, version, ATTN)
+    package = f"recipe_upstream_{library}_{version}".replace(".", "_").replace("-", "_")
+    stubs = {name: {} for name in (*STUBS, package)}
+    with warnings.catch_warnings():  # utils.py:522's torch.jit.script, a function not checked
+        warnings.simplefilter("ignore", FutureWarning)
+        utils = load_module(utils_path, f"{package}.utils", stubs)
+        names = {k: v for k, v in vars(utils).items() if not k.startswith("__")}
+        attn = load_module(attn_path, f"{package}.attn", {**stubs, f"{package}.utils": names})
+    utils.dist = attn.dist = Dist()
+    attn._pad_input = attn._unpad_input = "flash-attn's pad/unpad: not called"
+    return utils, attn, version
+
+
+def signature_options(function, kind: str, label: str) -> tuple[dict, dict]:
+    """(drawn, fixed) for `function`'s signature; a parameter the plugin does not know, or one
+    it fixes that is gone, refuses the check."""
+    params = set(inspect.signature(function).parameters)
+    known = set(FIXED[kind]) | (set(DRAWN[kind]) - INPUT_OPTIONS[kind])
+    if params != known:
+        raise UpstreamUnavailable(
+            f"{label}: options the checker does not know: {sorted(params - known)}, gone: "
+            f"{sorted(known - params)}. They may change the layout, so the check stops; teach "
+            "recipe/checks/upstream/libraries/colossalai.py what they do"
+        )
+    return dict(DRAWN[kind]), dict(FIXED[kind])
+
+
+@dataclass
+class ColossalChecked(ContractChecked):
+    kind: str = ""  # "varlen", "rows" or "packed"
+    function: object = None
+    def_line: int = 0
+    seen: dict = field(default_factory=dict, repr=False)  # rank -> rank_outputs, of one case
+
+    @property
+    def line(self) -> int:
+        return self.def_line
+
+    def cases(self, min_length: int = 1):
+        return micro_batches(min_length=min_length).map(lambda case: (case[0], case[1], 1))
+
+    def sequence_parallel(self, options: dict) -> bool:
+        return False  # tp is no input here
+
+    def contract_function(self, options: dict):
+        def per_rank(sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size=1):
+            sequences, padded = [s.tolist() for s in sequences], cu_seqlens_padded.diff().tolist()
+            got = rank_outputs(self.kind, self.function, sequences, padded, cp_size, cp_rank,
+                               options)  # fmt: skip
+            self.seen[cp_rank] = got
+            fields = {k: torch.tensor(v) for k, v in got["fields"].items()}
+            return {**fields, LAYOUT_KEY: torch.tensor(got["cu_seqlens_padded"])}
+
+        return per_rank
+
+    def finding(self, case, options: dict) -> Finding | None:
+        """The contract's finding, or the worse one of the varlen rows (`row_problems`)."""
+        lengths, cp_size, tp_size = case
+        chosen = {**DEFAULTS[self.kind], **{k: v for k, v in options.items() if v is not None}}
+        self.seen = {}
+        contract = super().finding(case, chosen)
+        cu = self.seen.get(0, {}).get("cu_seqlens_padded", [0])  # the contract's, for "varlen"
+        padded = [b - a for a, b in zip(cu, cu[1:])]
+        found = [(level, f"rank {rank}, {what}") for rank, got in sorted(self.seen.items())
+                 for level, what in row_problems(got, padded, cp_size)]  # fmt: skip
+        if not found or len(self.seen) < cp_size:  # a raise: the contract reports it
+            return contract
+        level, what = max(found, key=lambda f: f[0])
+        head = {"lengths": list(lengths), "cp": cp_size, "tp": tp_size}
+        what = f"lengths={list(lengths)} cp={cp_size} tp={tp_size}: {what}"
+        rows = Finding(head, tuple(sorted(chosen.items())), Impact(level), what)
+        return layouts.worst(contract, rows)
+
+    def broken_copy(self, part: str = "function") -> ColossalChecked:
+        if part != "function":
+            raise UpstreamUnavailable(f"{self.label} has no {part} to break")
+        line = CONTROL[self.kind]
+        changed = re.sub(r"2 \* sp_size - (sp_rank - 1|1 - sp_rank)", "sp_size + sp_rank", line)
+        namespace = dict(self.function.__globals__)
+        source = layouts.mutated_source(self.function, line, changed, self.label)
+        exec(textwrap.dedent(source), namespace)  # noqa: S102 (the release's, one line changed)
+        broken = namespace[self.function.__name__]
+        return ColossalChecked(
+            self.library, self.version, self.name, self.distribution, self.file, self.drawn,
+            self.skipped, self.notes, kind=self.kind, function=getattr(broken, "__func__", broken),
+            def_line=self.def_line,
+        )  # fmt: skip
+
+    def reproducer(self, finding: Finding) -> str:
+        body = f"KIND = {self.kind!r}\n{REPRODUCER_LOADER}\n\n{SHARED}\n{layouts.REFERENCE}\n{TAIL}"
+        title = f"{self.label}: every rank of one batch ({NOTES[self.kind]})"
+        return checked.reproducer_source(title, finding, body, self.distribution, self.version)
+
+    def truth_outputs(self, finding: Finding) -> dict:
+        lengths, cp_size, tp_size = (finding.case[k] for k in ("lengths", "cp", "tp"))
+        truth = layouts.truth_outputs(lengths, cp_size, tp_size)
+        cu = truth["cu_seqlens_padded"]
+        padded = [b - a for a, b in zip(cu, cu[1:])]
+        rows = {"rows": rows_truth(padded, cp_size, max(padded) // cp_size)}
+        return {**truth, "rows": [rows if self.kind == "varlen" else {}] * cp_size}
+
+
+REPRODUCER_LOADER = '''
+STUBS = {key: {} for key in ("colossalai", "colossalai.accelerator", "colossalai.kernel",
+                             "colossalai.kernel.kernel_loader", "colossalai.logging", "einops")}
+ATTN, PACKAGE = "colossalai/shardformer/layer/attn.py", "released_colossalai"
+
+
+def load_released(archive):
+    """utils.py, then attn.py in a stub package whose `utils` has utils.py's names."""
+    utils = load_from_wheel(archive, "colossalai/shardformer/layer/utils.py", STUBS)
+    folder = Path(tempfile.mkdtemp(prefix="repro-src-"))
+    extract(archive, ATTN, folder)
+    names = {k: v for k, v in vars(utils).items() if not k.startswith("__")}
+    stubs = {**STUBS, PACKAGE: {}, PACKAGE + ".utils": names}
+    saved = {key: sys.modules.get(key) for key in stubs}
+    for key, attributes in stubs.items():
+        sys.modules[key] = module = _Placeholder(key)
+        module.__path__ = []
+        vars(module).update(attributes)
+    try:
+        loader = importlib.machinery.SourceFileLoader(PACKAGE + ".attn", str(folder / ATTN))
+        attn = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+        loader.exec_module(attn)
+    finally:
+        for key in stubs:
+            sys.modules.pop(key, None)
+        sys.modules.update({key: before for key, before in saved.items() if before is not None})
+    utils.dist = attn.dist = Dist()  # torch.distributed, answering for the group stand-in
+    attn._pad_input = attn._unpad_input = "flash-attn's pad/unpad: not called"
+    return utils, attn
+'''
+
+TAIL = """
+def release_outputs(archive):
+    utils, attn = load_released(archive)
+    function = {"varlen": attn.RingAttention.prepare_varlen_batch,
+                "rows": utils.split_batch_zigzag, "packed": utils.split_varlen_zigzag}[KIND]
+    lengths, cp = CASE["lengths"], CASE["cp"]
+    out = {"lengths": lengths, "cp": cp, "layout": "zigzag", "error": None}
+    try:
+        got = [rank_outputs(KIND, function, _sequences(lengths), _padded(), cp, rank, OPTIONS)
+               for rank in range(cp)]
+        out.update(ranks=[g.pop("fields") for g in got], rows=got,
+                   cu_seqlens_padded=got[0].pop("cu_seqlens_padded"))
+    except Exception as err:
+        out["error"] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def _padded():
+    unit = 2 * CASE["cp"] * CASE["tp"]  # each sequence padded to a multiple of 2*cp*tp
+    return [-(-n // unit) * unit for n in CASE["lengths"]]
+
+
+_layout_problems = problems  # the zigzag reference above
+
+
+def problems(outputs):
+    found = _layout_problems(outputs)
+    for rank, rows in enumerate([] if outputs.get("error") else outputs["rows"]):
+        found += [f"rank {rank}, {m}" for _, m in row_problems(rows, _padded(), outputs["cp"])]
+    return found
+"""
+
+
+class ColossalTarget(CheckTarget):
+    def __init__(self, kind: str, name: str, file: str):
+        self.kind, self.name, self.file = kind, name, file
+
+    def load(self, library: str, distribution: str, version: str | None) -> ColossalChecked:
+        utils, attn, version = load_release(library, distribution, version)
+        owner = attn.RingAttention if self.kind == "varlen" else utils
+        function = getattr(owner, self.name.split(".")[-1], None)
+        if not callable(function):
+            raise UpstreamUnavailable(f"{library}@{version} has no {self.name} in {self.file}")
+        drawn, skipped = signature_options(function, self.kind, f"{library}@{version} {self.name}")
+        lines, start = inspect.getsourcelines(function)  # from the decorator, where one is
+        line = start + next(i for i, text in enumerate(lines) if text.lstrip().startswith("def "))
+        return ColossalChecked(library, version, self.name, distribution, self.file, drawn,
+                               skipped, (NOTES[self.kind],), kind=self.kind, function=function,
+                               def_line=line)  # fmt: skip
+
+
+TARGETS = (
+    ColossalTarget("varlen", "RingAttention.prepare_varlen_batch", ATTN),
+    ColossalTarget("rows", "split_batch_zigzag", UTILS),
+    ColossalTarget("packed", "split_varlen_zigzag", UTILS),
+)
+LIBRARY = Library("colossalai", TARGETS, releases=("0.5.0",))
