@@ -1,0 +1,127 @@
+"""The start of every standalone reproducer, shipped verbatim (its source, less this docstring):
+load one file of a release from its wheel (or sdist) without running the package's `__init__`,
+the imports named in `stubs` replaced by inert placeholders, and the entry point. Plain Python
+and torch only: no recipe import, so the script runs anywhere the release does. A reproducer's
+body (after this prelude) defines `release_outputs` and `problems`, and sets CASE and OPTIONS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import subprocess
+import sys
+import tarfile
+import tempfile
+import traceback
+import types
+import zipfile
+from pathlib import Path
+
+
+class _Placeholder(types.ModuleType):
+    """A stubbed import: any attribute is an inert class of that name."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = type(name, (), {"__module__": self.__name__})
+        setattr(self, name, value)
+        return value
+
+
+def fetch_wheel(distribution, version):
+    """The release's wheel, or its sdist (.tar.gz, not built) where it publishes no wheel."""
+    folder = Path(tempfile.mkdtemp(prefix="repro-wheel-"))
+    for binary, quiet in (("--only-binary=:all:", True), ("--no-binary=:all:", False)):
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                binary,
+                "--ignore-requires-python",
+                "--quiet",
+                "--dest",
+                str(folder),
+                f"{distribution}=={version}",
+            ],
+            capture_output=quiet,
+        )
+        found = [*folder.glob("*.whl"), *folder.glob("*.tar.gz")]
+        if found:
+            return found[0]
+    sys.exit(f"pip cannot fetch {distribution}=={version}; pass --wheel PATH")
+
+
+def extract(wheel, relative, folder):
+    """`relative` from a wheel, or from an sdist below its top folder (NAME-VERSION/)."""
+    if str(wheel).endswith(".tar.gz"):
+        with tarfile.open(wheel, "r:gz") as archive:
+            member = next(m for m in archive if m.name.partition("/")[2] == relative)
+            (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+            (folder / relative).write_bytes(archive.extractfile(member).read())
+    else:
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extract(relative, folder)
+
+
+def load_from_wheel(wheel, relative, stubs):
+    """Execute `relative` from the wheel (or sdist) as a private module, `stubs` (name ->
+    attributes) standing in for the imports it makes that the checked code never calls."""
+    folder = Path(tempfile.mkdtemp(prefix="repro-src-"))
+    extract(wheel, relative, folder)
+    saved = {key: sys.modules.get(key) for key in stubs}
+    for key, attributes in stubs.items():
+        module = _Placeholder(key)
+        module.__path__ = []
+        for attribute, value in attributes.items():
+            setattr(module, attribute, value)
+        sys.modules[key] = module
+    try:
+        name = "released_" + Path(relative).stem
+        loader = importlib.machinery.SourceFileLoader(name, str(folder / relative))
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+        loader.exec_module(module)
+        return module
+    finally:
+        for key, before in saved.items():
+            if before is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = before
+
+
+def release_outputs(wheel):
+    """What the release returns on CASE; each reproducer's body defines it after this prelude."""
+    raise NotImplementedError
+
+
+def problems(outputs):
+    """What differs from the ground truth in `outputs`; each reproducer's body defines it."""
+    raise NotImplementedError
+
+
+def main(distribution, version):
+    """Run the release on the case: exit 1 with what is wrong (reproduced), 0 when it passes."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--wheel", help="the release's wheel or sdist (default: pip download it)")
+    wheel = parser.parse_args().wheel or fetch_wheel(distribution, version)
+    try:
+        found = problems(release_outputs(wheel))
+    except Exception as err:
+        # the release raising on this valid input is the finding; a raise anywhere else is the
+        # reproducer's own failure and must not read as one
+        if not any(
+            "repro-src-" in frame.filename for frame in traceback.extract_tb(err.__traceback__)
+        ):
+            raise
+        traceback.print_exc()
+        found = [f"the release raises {type(err).__name__}: {err}"]
+    for line in found:
+        print(line)
+    print(f"{distribution} {version}: " + ("REPRODUCED" if found else "not reproduced: passes"))
+    return 1 if found else 0
