@@ -13,6 +13,7 @@ from __future__ import annotations
 from recipe.checks.upstream.kit.registry import Registry
 from recipe.checks.upstream.libraries import (
     areal,
+    axolotl_ringmaster,
     colossalai,
     megatron_bridge,
     ms_swift,
@@ -36,6 +37,7 @@ REGISTRY.register("nemo-automodel", nemo_automodel.LIBRARY)
 REGISTRY.register("ring-flash-attn", ring_flash_attn.LIBRARY)
 REGISTRY.register("yunchang", yunchang.LIBRARY)
 REGISTRY.register("colossalai", colossalai.LIBRARY)
+REGISTRY.register("axolotl-ringmaster", axolotl_ringmaster.LIBRARY)
 
 
 def known() -> str:
