@@ -18,6 +18,7 @@ from recipe.checks.upstream.libraries import (
     megatron_bridge,
     ms_swift,
     nemo_automodel,
+    openrlhf,
     ring_flash_attn,
     verl,
     yunchang,
@@ -38,6 +39,7 @@ REGISTRY.register("ring-flash-attn", ring_flash_attn.LIBRARY)
 REGISTRY.register("yunchang", yunchang.LIBRARY)
 REGISTRY.register("colossalai", colossalai.LIBRARY)
 REGISTRY.register("axolotl-ringmaster", axolotl_ringmaster.LIBRARY)
+REGISTRY.register("openrlhf", openrlhf.LIBRARY)
 
 
 def known() -> str:
