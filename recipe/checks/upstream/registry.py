@@ -15,6 +15,7 @@ from recipe.checks.upstream.libraries import (
     areal,
     axolotl_ringmaster,
     colossalai,
+    fla,
     megatron_bridge,
     ms_swift,
     nemo_automodel,
@@ -40,6 +41,7 @@ REGISTRY.register("yunchang", yunchang.LIBRARY)
 REGISTRY.register("colossalai", colossalai.LIBRARY)
 REGISTRY.register("axolotl-ringmaster", axolotl_ringmaster.LIBRARY)
 REGISTRY.register("openrlhf", openrlhf.LIBRARY)
+REGISTRY.register("fla-core", fla.LIBRARY)
 
 
 def known() -> str:
