@@ -15,6 +15,7 @@ from recipe.checks.upstream.libraries import (
     areal,
     axolotl_ringmaster,
     colossalai,
+    deepspeed_ulysses,
     fla,
     megatron_bridge,
     ms_swift,
@@ -42,6 +43,7 @@ REGISTRY.register("colossalai", colossalai.LIBRARY)
 REGISTRY.register("axolotl-ringmaster", axolotl_ringmaster.LIBRARY)
 REGISTRY.register("openrlhf", openrlhf.LIBRARY)
 REGISTRY.register("fla-core", fla.LIBRARY)
+REGISTRY.register("deepspeed", deepspeed_ulysses.LIBRARY)
 
 
 def known() -> str:
