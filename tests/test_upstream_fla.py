@@ -3,7 +3,7 @@
 The release passes: on every drawn case (lengths, world size 2/4/8, the contiguous and the
 whole-stream zigzag layout, the padding as a sequence of its own or added to the last one) each
 rank's local cu_seqlens and its state/conv metadata agree with the split
-(`fla/ops/cp/context.py:174-274`). The tests pin that, the values the research hand-checked
+(`fla/ops/cp/context.py:174-274`). The tests pin that, the values worked out by hand
 (lengths 5 and 11), the negative control (`last_pos` one token late, context.py:163) and the
 reproducer end to end. The wheel is fetched once by pip into the cache: marked `launches`.
 """
@@ -75,7 +75,7 @@ def test_the_release_passes_a_short_search(checked, drawn):
 
 
 def test_the_hand_checked_values_of_lengths_5_and_11(checked):
-    """The research's demo (T=16, W=2), by a direct call of the released function."""
+    """Lengths 5 and 11 worked out by hand (T=16, W=2), by a direct call of the release."""
     bounds = torch.tensor([0, 5, 16], dtype=torch.int32)
     rank0 = checked.function(bounds, world_size=2, rank=0)
     rank1 = checked.function(bounds, world_size=2, rank=1)
