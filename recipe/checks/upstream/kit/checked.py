@@ -100,6 +100,11 @@ class Checked(ABC):
         raise NotImplementedError(f"{self.label} has no reproducer")
 
 
+def with_defaults(options: dict, defaults: dict) -> dict:
+    """Every option of `defaults`, the case's value where it has one (None: the default)."""
+    return {k: options[k] if options.get(k) is not None else v for k, v in defaults.items()}
+
+
 def function_line(module, name: str) -> int:
     return inspect.getsourcelines(getattr(module, name))[1]
 

@@ -78,6 +78,7 @@ from recipe.checks.upstream.kit.checked import (
     Library,
     function_line,
     reproducer_source,
+    with_defaults,
 )
 from recipe.data.packing import pack_sequences
 from recipe.parallel.cp.contract import PAD_ID, Impact, micro_batches, unique_sequences
@@ -256,7 +257,7 @@ class ShardChecked(Checked):
 
     @staticmethod
     def _options(options: dict) -> dict:
-        return {k: options[k] if options.get(k) is not None else v for k, v in DEFAULTS.items()}
+        return with_defaults(options, DEFAULTS)
 
     def finding(self, case, options: dict) -> Finding | None:
         lengths, cp = list(case[0]), case[1]

@@ -73,7 +73,9 @@ from recipe.checks.upstream.kit.checked import (
     Library,
     function_line,
     reproducer_source,
+    with_defaults,
 )
+from recipe.checks.upstream.libraries.ring_flash_attn import packed_cu_seqlens
 from recipe.parallel.cp.contract import Impact, micro_batches
 from recipe.upstream.releases import partition_options
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
@@ -112,19 +114,6 @@ SCALARS = ("pre_num_ranks", "post_num_ranks", "is_first_rank", "is_last_rank",
            "pre_num_conv_tokens")  # fmt: skip
 BY_PART = ("pre_num_ranks_by_part", "post_num_ranks_by_part", "is_first_by_part",
            "is_last_by_part", "pre_num_conv_tokens_by_part")  # fmt: skip
-
-
-def packed_cu_seqlens(lengths, parts, padding):
-    """The caller's cu_seqlens: `lengths` packed, padded to a multiple of `parts`."""
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    pad = -bounds[-1] % parts
-    if pad and padding == "own_sequence":
-        bounds.append(bounds[-1] + pad)
-    elif pad:
-        bounds[-1] += pad
-    return bounds
 
 
 def call_outputs(function, bounds, world_size, layout):
@@ -312,7 +301,7 @@ class ContextChecked(Checked):
 
     @staticmethod
     def _options(options: dict) -> dict:
-        return {k: options[k] if options.get(k) is not None else v for k, v in DEFAULTS.items()}
+        return with_defaults(options, DEFAULTS)
 
     def finding(self, case, options: dict) -> Finding | None:
         lengths, world_size = list(case[0]), case[1]

@@ -63,6 +63,7 @@ from recipe.checks.upstream.kit.checked import (
     Library,
     function_line,
     reproducer_source,
+    with_defaults,
 )
 from recipe.parallel.cp.contract import Impact, micro_batches
 from recipe.upstream.releases import partition_options
@@ -342,7 +343,7 @@ class PrepareChecked(Checked):
 
     @staticmethod
     def _options(options: dict) -> dict:
-        return {k: options[k] if options.get(k) is not None else v for k, v in DEFAULTS.items()}
+        return with_defaults(options, DEFAULTS)
 
     def finding(self, case, options: dict) -> Finding | None:
         lengths, world_size = list(case[0]), case[1]
