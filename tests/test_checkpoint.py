@@ -291,7 +291,7 @@ def test_resume_finds_the_newest_complete_checkpoint_and_never_a_partial(tmp_pat
     _fake_checkpoint(checkpoints, 8)
     newest = _fake_checkpoint(checkpoints, 16)
     partial = _fake_checkpoint(checkpoints, 24, complete=False)
-    (checkpoints / "step_00000030").mkdir()  # renamed but no manifest: not complete
+    (checkpoints / "step_00000030").mkdir()  # no manifest: damaged, passed over with a warning
     assert ckpt.resolve_resume("auto", run) == newest
     assert ckpt.resolve_resume(str(run), None) == newest
     assert ckpt.resolve_resume(str(checkpoints), None) == newest
@@ -308,9 +308,55 @@ def test_pruning_keeps_the_newest_and_removes_partials(tmp_path):
     for step in (4, 8, 12, 16):
         _fake_checkpoint(tmp_path, step)
     _fake_checkpoint(tmp_path, 20, complete=False)
+    finished = _fake_checkpoint(tmp_path, 24, complete=False)
+    (finished / MANIFEST_FILE).write_text(json.dumps({"format": 1, "step": 24}))
     ckpt.prune_checkpoints(tmp_path, keep=2)
     assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [12, 16]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000012", "step_00000016"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_00000012",
+        "step_00000016",
+        "step_00000024.partial",  # a finished write never renamed: the user's to rename
+    ]
+
+
+@pytest.mark.parametrize("contents", ["shards", "metadata", "empty"])
+def test_a_step_directory_without_its_manifest_is_damaged_never_a_fresh_start(
+    contents, tmp_path, caplog
+):
+    """Every way a `step_N` directory can lack its manifest (removed, a copy cut short, an empty
+    directory) counts as a damaged checkpoint: auto refuses to start over in its directory."""
+    run = tmp_path / "run"
+    lost = run / "checkpoints" / ckpt.checkpoint_name(30)
+    lost.mkdir(parents=True)
+    if contents == "shards":
+        (lost / "__0_0.distcp").write_bytes(b"shard")
+    elif contents == "metadata":
+        (lost / ".metadata").write_bytes(b"meta")
+    problem = ckpt.checkpoint_problem(lost)
+    assert f"{lost / MANIFEST_FILE} is missing" in problem
+    assert ("empty" in problem) == (contents == "empty")
+    with caplog.at_level("WARNING"), pytest.raises(ConfigError, match="every checkpoint in"):
+        ckpt.resolve_resume("auto", run)
+    assert f"skipping damaged checkpoint {lost}" in caplog.text
+    with pytest.raises(ConfigError, match=rf"trainer.resume={lost} is damaged: .* is missing"):
+        ckpt.resolve_resume(str(lost), None)
+    older = _fake_checkpoint(run / "checkpoints", 20)
+    assert ckpt.resolve_resume("auto", run) == older
+    moved = ckpt.set_aside_newer(run / "checkpoints", 20)
+    assert [p.name for p in moved] == [lost.name] and moved[0].parent.parent.name == SET_ASIDE_DIR
+
+
+def test_a_finished_write_never_renamed_is_named_kept_and_set_aside(tmp_path, caplog):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    finished = _fake_checkpoint(checkpoints, 24, complete=False)
+    (finished / MANIFEST_FILE).write_text(json.dumps({"format": 1, "step": 24}))
+    with caplog.at_level("WARNING"), pytest.raises(ConfigError, match="every checkpoint in"):
+        ckpt.resolve_resume("auto", tmp_path / "run")
+    assert f"rename it to {checkpoints / ckpt.checkpoint_name(24)}" in caplog.text
+    _fake_checkpoint(checkpoints, 16)
+    assert ckpt.resolve_resume("auto", tmp_path / "run").name == ckpt.checkpoint_name(16)
+    moved = ckpt.set_aside_newer(checkpoints, 16)
+    assert [p.name for p in moved] == [finished.name]
 
 
 def test_a_changed_optimizer_is_reported_a_changed_model_refused():
@@ -530,10 +576,13 @@ def _damage(checkpoint: Path, how: str) -> str:
         moved = checkpoint.with_name(ckpt.checkpoint_name(99))
         checkpoint.rename(moved)
         return "says step 24, the directory's name step 99"
+    if how == "manifest_lost":
+        (checkpoint / MANIFEST_FILE).unlink()
+        return f"{checkpoint / MANIFEST_FILE} is missing (it holds .metadata, __0_0.distcp"
     raise ValueError(how)
 
 
-@pytest.mark.parametrize("how", ["truncated", "missing", "changed", "renamed"])
+@pytest.mark.parametrize("how", ["truncated", "missing", "changed", "renamed", "manifest_lost"])
 def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_name(
     how, tmp_path, reference_cp1, caplog
 ):
@@ -558,6 +607,34 @@ def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_name(
         for spec in ("auto", str(run)):
             with pytest.raises(ConfigError, match="every checkpoint in .* is damaged"):
                 ckpt.resolve_resume(spec, run)
+
+
+@pytest.mark.launches
+def test_auto_in_a_run_whose_manifests_are_all_lost_exits_2_and_changes_nothing(
+    tmp_path, reference_cp1
+):
+    """Every checkpoint's manifest removed, shards intact: `auto` must not take the directory for
+    a new run (which would write over step 24 and prune the others)."""
+    run = tmp_path / "run"
+    shutil.copytree(reference_cp1, run)
+    for manifest in (run / "checkpoints").glob(f"*/{MANIFEST_FILE}"):
+        manifest.unlink()
+
+    def kept():  # all but the job's log and lock file, which record the refused attempt
+        files = (p for p in sorted(run.rglob("*")) if p.is_file())
+        return {p: p.read_bytes() for p in files if p.suffix != ".log" and p.name != ".lock"}
+
+    before = kept()
+    done = run_train_cli(
+        [*RUN, "trainer.max_steps=32", "trainer.resume=auto", f"hydra.run.dir={run}"], cwd=tmp_path
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"every checkpoint in {run / 'checkpoints'} is damaged" in done.stderr
+    named = f"skipping damaged checkpoint {run / 'checkpoints' / 'step_00000024'}: "
+    assert named + f"{run / 'checkpoints' / 'step_00000024' / MANIFEST_FILE} is missing" in (
+        done.stdout
+    )
+    assert kept() == before, "a refused resume must leave the directory as it found it"
 
 
 def test_a_partial_checkpoint_is_never_resumed_even_with_its_manifest(tmp_path, reference_cp1):

@@ -33,6 +33,7 @@ from recipe.checkpoint.manifest import (
 )
 from recipe.checkpoint.optimizer_state import load_torch_optimizer_state, torch_optimizer_state
 from recipe.checkpoint.resume import (
+    checkpoint_directories,
     checkpoint_name,
     checkpoint_problem,
     complete_checkpoints,
@@ -48,6 +49,7 @@ __all__ = [
     "MUST_MATCH",
     "REPORTED",
     "CheckpointWriteError",
+    "checkpoint_directories",
     "checkpoint_manifest",
     "checkpoint_name",
     "checkpoint_problem",

@@ -2,9 +2,12 @@
 
 `trainer.resume=auto` takes the newest checkpoint of the run directory that verifies against its
 manifest (files, sizes, checksums, the step in its name), passing over a damaged one with a
-warning naming it; a damaged checkpoint named explicitly is an error naming the file. A resume
-from step N sets aside the abandoned timeline's later checkpoints, and only the newest
-`trainer.checkpoint_keep` complete ones stay.
+warning naming it; a damaged checkpoint named explicitly is an error naming the file. Every
+`step_N` directory is a checkpoint: one without its manifest (lost, or an empty directory) is
+damaged, never mistaken for "no checkpoint yet", since starting over would write over it. A
+`step_N.partial` holding its manifest is a finished write whose rename was cut short: kept, named,
+never pruned. A resume from step N sets aside the abandoned timeline's later checkpoints, and only
+the newest `trainer.checkpoint_keep` complete ones stay.
 """
 
 from __future__ import annotations
@@ -48,11 +51,46 @@ def complete_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def checkpoint_directories(directory: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every `step_N` directory in `directory`, damaged ones included, oldest
+    first: what `auto` must account for before it may start over."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(step_of(entry.name), entry) for entry in directory.iterdir() if entry.is_dir()]
+    return sorted((step, entry) for step, entry in found if step is not None)
+
+
+def finished_partials(directory: str | Path) -> list[Path]:
+    """The `step_N.partial` directories in `directory` that hold their manifest: writes that
+    finished but were never renamed (the run died between the two). Kept for the user to check
+    and rename; a `.partial` without one is an abandoned write and is pruned."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(
+        entry
+        for entry in directory.glob(f"{STEP_PREFIX}*{PARTIAL_SUFFIX}")
+        if (entry / MANIFEST_FILE).is_file()
+    )
+
+
 def checkpoint_problem(checkpoint: str | Path) -> str | None:
-    """What is wrong with a complete-looking checkpoint, or None: an unreadable manifest, a step
+    """What is wrong with a checkpoint directory, or None: no manifest, an unreadable one, a step
     that is not the one in the directory's name, a listed file missing, cut short or changed.
     (A checkpoint written before files were listed has nothing to verify them against.)"""
     checkpoint = Path(checkpoint)
+    if not (checkpoint / MANIFEST_FILE).is_file():
+        held = sorted(entry.name for entry in checkpoint.iterdir()) if checkpoint.is_dir() else []
+        what = (
+            f"it holds {', '.join(held[:4])}{' ...' if len(held) > 4 else ''}"
+            if held
+            else "the directory is empty"
+        )
+        return (
+            f"{checkpoint / MANIFEST_FILE} is missing ({what}): without it nothing can verify "
+            "the files or say which step and config they are"
+        )
     try:
         manifest = read_manifest(checkpoint)
     except ConfigError as err:
@@ -94,13 +132,29 @@ def _files_the_tensors_need(checkpoint: Path) -> set[str]:
 
 def _newest_good(directory: Path) -> Path | None:
     """The newest checkpoint in `directory` that verifies, warning about each newer one that
-    does not (it stays on disk, for a look)."""
-    for _, path in reversed(complete_checkpoints(directory)):
+    does not (it stays on disk, for a look), and about each finished `.partial` newer than it."""
+    log = get_logger(__name__)
+    found = None
+    for _, path in reversed(checkpoint_directories(directory)):
         problem = checkpoint_problem(path)
         if problem is None:
-            return path
-        get_logger(__name__).warning(f"skipping damaged checkpoint {path}: {problem}")
-    return None
+            found = path
+            break
+        log.warning(f"skipping damaged checkpoint {path}: {problem}")
+    for partial in finished_partials(directory):
+        step = step_of(partial.name[: -len(PARTIAL_SUFFIX)])
+        if found is None or (step is not None and step > (step_of(found.name) or 0)):
+            log.warning(_unrenamed(partial))
+    return found
+
+
+def _unrenamed(partial: Path) -> str:
+    final = partial.with_name(partial.name[: -len(PARTIAL_SUFFIX)])
+    return (
+        f"skipping {partial}: its write finished (it holds its manifest) but the rename to "
+        f"{final.name} never happened; it is kept: to resume from it, rename it to {final} "
+        "(resume verifies it first)"
+    )
 
 
 def resolve_resume(spec: str | None, run_dir: str | Path | None) -> Path | None:
@@ -114,7 +168,7 @@ def resolve_resume(spec: str | None, run_dir: str | Path | None) -> Path | None:
             return None
         directory = Path(run_dir) / CHECKPOINTS_DIR
         found = _newest_good(directory)
-        if found is None and complete_checkpoints(directory):
+        if found is None and (checkpoint_directories(directory) or finished_partials(directory)):
             # Starting over here would prune its own new checkpoints (the damaged ones count as
             # newer) and a requeued job would never get past them: refused, as when named.
             raise ConfigError(_every_one_damaged(spec, directory))
@@ -125,15 +179,16 @@ def resolve_resume(spec: str | None, run_dir: str | Path | None) -> Path | None:
             f"trainer.resume={spec}: that checkpoint was never completed (the run stopped while "
             "writing it); resume from the one before it"
         )
-    if (path / MANIFEST_FILE).is_file():
+    if (path / MANIFEST_FILE).is_file() or (path.is_dir() and step_of(path.name) is not None):
         problem = checkpoint_problem(path)
         if problem is not None:
-            older = [p for _, p in complete_checkpoints(path.parent) if p != path]
+            older = [p for _, p in checkpoint_directories(path.parent) if p != path]
+            older = [p for p in older if checkpoint_problem(p) is None]
             hint = f"; the newest before it is {older[-1]}" if older else ""
             raise ConfigError(f"trainer.resume={spec} is damaged: {problem}{hint}")
         return path
     for directory in (path / CHECKPOINTS_DIR, path):
-        if complete_checkpoints(directory):
+        if checkpoint_directories(directory) or finished_partials(directory):
             found = _newest_good(directory)
             if found is None:
                 raise ConfigError(_every_one_damaged(spec, directory))
@@ -148,7 +203,8 @@ def resolve_resume(spec: str | None, run_dir: str | Path | None) -> Path | None:
 def _every_one_damaged(spec: str, directory: Path) -> str:
     return (
         f"trainer.resume={spec}: every checkpoint in {directory} is damaged (each is named "
-        "above); restore one and name it in trainer.resume, or start over in a new hydra.run.dir"
+        "above; nothing was changed); restore one and name it in trainer.resume, or start over "
+        "in a new hydra.run.dir"
     )
 
 
@@ -159,7 +215,9 @@ def set_aside_newer(directory: Path, step: int) -> list[Path]:
     newer = [
         entry
         for entry in (directory.iterdir() if directory.is_dir() else [])
-        if (found := step_of(entry.name)) is not None and found > step
+        if (found := step_of(entry.name.removesuffix(PARTIAL_SUFFIX))) is not None
+        and found > step
+        and (not entry.name.endswith(PARTIAL_SUFFIX) or entry in finished_partials(directory))
     ]
     if not newer:
         return []
@@ -174,8 +232,11 @@ def set_aside_newer(directory: Path, step: int) -> list[Path]:
 
 
 def prune_checkpoints(directory: Path, keep: int) -> None:
-    """Remove all but the newest `keep` complete checkpoints, and any left-over .partial."""
+    """Remove all but the newest `keep` complete checkpoints, and any abandoned .partial (one
+    without its manifest: a finished one that was never renamed stays)."""
     for _, path in complete_checkpoints(directory)[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
+    kept = set(finished_partials(directory))
     for entry in directory.glob(f"{STEP_PREFIX}*{PARTIAL_SUFFIX}"):
-        shutil.rmtree(entry, ignore_errors=True)
+        if entry not in kept:
+            shutil.rmtree(entry, ignore_errors=True)

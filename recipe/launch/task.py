@@ -106,7 +106,10 @@ def _rank_and_host(env: ProcessEnvironment) -> str:
 
 
 def _how_to_continue(output_dir: str) -> str:
-    checkpoint = resolve_resume("auto", output_dir)
+    try:
+        checkpoint = resolve_resume("auto", output_dir)
+    except ConfigError:  # each damaged one was named in a warning just now
+        return "no checkpoint of this run verifies"
     if checkpoint is None:
         return "no checkpoint was written"
     return (
