@@ -153,6 +153,38 @@ def test_the_cli_exit_codes(capsys):
     assert "[broken copy: function]" in capsys.readouterr().out
 
 
+def test_a_release_missing_one_family_has_the_others_checked(capsys):
+    """verl 0.7.1 has no BSHD engine function (its BSHD one refuses cp > 1): the THD families are
+    still checked and the pre-#6267 finding printed, exit 1 as docs/upstream.md says; only when
+    nothing at all can be checked is it exit 2."""
+    assert main(["verl@0.7.1", "--cases", "10", "--fixed", "use_fp8_padding=false"]) == 1
+    out = capsys.readouterr().out
+    assert "CANNOT CHECK preprocess_bshd_engine: verl@0.7.1 has no preprocess_bshd_engine" in out
+    assert "FAIL default options" in out and "position_ids expected 2, got 3" in out
+    assert main(["verl@0.7.1", "--function", "preprocess_bshd_engine"]) == 2
+    assert "asserts cp_size == 1: no CP split to check" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what", ["file", "under a file"])
+def test_a_report_folder_that_cannot_be_written_is_refused_before_the_search(
+    what, tmp_path, capsys, monkeypatch
+):
+    """(A read-only folder takes the same path as one under a file, an OSError on the write
+    probe; the tests run as root, which writes read-only folders.)"""
+    report = tmp_path / "report"
+    report.write_text("")
+    expected = f"--report {report} is a file; give a folder"
+    if what == "under a file":
+        report = report / "findings"
+        expected = f"--report {report} cannot be written (Not a directory)"
+    monkeypatch.setattr(
+        "recipe.checks.upstream.runner.load_targets",
+        lambda *a: pytest.fail("the search ran before the report folder was checked"),
+    )
+    assert main(["verl@0.9.1", "--report", str(report)]) == 2
+    assert expected in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

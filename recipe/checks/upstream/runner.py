@@ -14,8 +14,11 @@ Functions with a gathering inverse (verl's postprocess_*) also round-trip a per-
 every case: sharded on every rank and gathered back, it must equal the original.
 `--control` runs each function's deliberately broken copy instead, which must be flagged
 (`--control inverse`: the gathering function's broken copy, the round trip's control).
-Exit 0 = every function passed, 1 = a finding, 2 = cannot run (says what is missing) or a count
-out of range (`--cases` and `--min-length` are 1 or more).
+A release that lacks one of the library's checked functions (or has one that refuses CP) has
+the others checked: the missing one gets a `CANNOT CHECK` line saying why.
+Exit 0 = every function checked passed, 1 = a finding, 2 = nothing could be checked (says what
+is missing), a count out of range (`--cases` and `--min-length` are 1 or more) or a `--report`
+folder that cannot be written (checked before the search).
 """
 
 from __future__ import annotations
@@ -228,7 +231,10 @@ def roll_results(kinds, cases: int, seed: int, broken: bool):
         yield kind, Finding(case, (("cu_seqlens_q", kind),), impact, what), ran, took
 
 
-def load_targets(spec: str, function: str | None) -> list[Checked]:
+def load_targets(spec: str, function: str | None) -> tuple[list[Checked], dict[str, str]]:
+    """The checked functions of `spec` that this release has, and why each other one cannot be
+    checked (by name): a release that lacks one family still has its others checked. Raises
+    when none can be."""
     library, version = parse_spec(spec)
     entry = REGISTRY[library]
     targets = [t for t in entry.targets if function in (None, t.name)]
@@ -237,7 +243,34 @@ def load_targets(spec: str, function: str | None) -> list[Checked]:
         raise UpstreamUnavailable(
             f"{library} has no checked function {function!r}; checked: {names}"
         )
-    return [target.load(library, entry.distribution, version) for target in targets]
+    loaded, unavailable = [], {}
+    for target in targets:
+        try:
+            loaded.append(target.load(library, entry.distribution, version))
+        except UpstreamUnavailable as err:
+            unavailable[target.name] = str(err)
+    if not loaded:
+        raise UpstreamUnavailable("; ".join(unavailable.values()))
+    return loaded, unavailable
+
+
+def check_report_folder(report: Path) -> None:
+    """`--report DIR` must be a folder this user can write, checked before the search runs (a
+    search can take minutes; its findings must not be lost to a bad folder at the end)."""
+    if report.exists() and not report.is_dir():
+        raise UpstreamUnavailable(
+            f"--report {report} is a file; give a folder (created if missing)"
+        )
+    try:
+        report.mkdir(parents=True, exist_ok=True)
+        probe = report / ".check_upstream_write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UpstreamUnavailable(
+            f"--report {report} cannot be written ({err.strerror or err}); give a folder you "
+            "can write"
+        ) from None
 
 
 def run(spec: str, function: str | None, cases: int, seed: int, fixed: dict,
@@ -251,7 +284,11 @@ def run(spec: str, function: str | None, cases: int, seed: int, fixed: dict,
             )
         return run_megatron_core(version or None, function, cases, seed, fixed, control,
                                  min_length)  # fmt: skip
-    loaded_targets = load_targets(spec, function)
+    if report is not None:
+        check_report_folder(report)
+    loaded_targets, unavailable = load_targets(spec, function)
+    for name, why in unavailable.items():
+        print(f"CANNOT CHECK {name}: {why}")
     drawn_anywhere = {name for loaded in loaded_targets for name in loaded.drawn}
     unknown = set(fixed) - drawn_anywhere
     if unknown:
