@@ -158,14 +158,39 @@ def test_a_typo_in_an_override_key_is_named_with_the_closest_key():
     assert check_override_keys(["max_steps=5"], conf).endswith("did you mean trainer.max_steps?")
     assert check_override_keys(["data.markov.ordr=3"], conf).endswith("data.markov.order?")
     assert check_override_keys(["trainr.max_steps=5"], conf).endswith("did you mean trainer?")
+    # Hydra's own keys against Hydra's schema: Hydra's answer is "To append ... use +hydra..."
+    hydra_typo = "unknown config key hydra.run.dirr; did you mean hydra.run.dir?"
+    assert check_override_keys(["hydra.run.dirr=out/x"], conf) == hydra_typo
+    assert check_override_keys(["hydra.sweepr.dir=x"], conf).endswith("hydra.sweeper?")
     # What Hydra owns, group choices and real keys pass (Hydra still refuses `+` of a real key).
     for args in (
         ["trainer.max_steps=5", "+trainer.max_steps=5", "++optim.lr=1e-3"],
         ["-m", "cp=1,2", "experiment=cp_parity", "model=small", "mtp=on"],
         ["hydra.sweep.dir=x", "hydra/launcher=slurm", "hydra.verbose=true", "--cfg", "job"],
+        ["hydra.job.chdir=false", "+hydra.job.env_set.X=1", "hydra.launcher.partition=gpu"],
         ["~trainer.resume", "data.data_files.train=a.jsonl", "vision.mrope_section=[4,6,6]"],
     ):
         assert check_override_keys(args, conf) is None, args
+
+
+@pytest.mark.parametrize("value", ["null", "", "''"])
+def test_a_group_set_to_nothing_is_named_with_its_options(value):
+    """`convention=null` and `cp=null` were a Python traceback (even `experiment=null`, whose
+    default is null), `convention=` Hydra's "could not find 'convention/'" with exit 1."""
+    from recipe.launch.overrides import check_group_choices
+    from tests.helpers.config import CONF_DIR
+
+    groups = {
+        "convention": "bridge@0.6.2, megatron_lm, recipe, verl@0.9.1",
+        "cp": "1, 2, 4, 8",
+        "experiment": "conventions, cp_parity",
+    }
+    for group, options in groups.items():
+        message = check_group_choices([f"{group}={value}"], Path(CONF_DIR))
+        assert message.startswith(f"{group}={value}: a config group takes one of its options "
+                                  f"({options}"), message  # fmt: skip
+        assert message.endswith(f"leave {group} out for its default")
+    assert check_group_choices(["cp=2", "convention=megatron_lm"], Path(CONF_DIR)) is None
 
 
 @pytest.mark.launches

@@ -9,11 +9,12 @@ import difflib
 from recipe.config.schema import TrainConfig
 
 
-def unknown_key(key: str, schema: type = TrainConfig) -> str | None:
+def unknown_key(key: str, schema: type = TrainConfig, root: str = "") -> str | None:
     """`unknown config key trainer.max_step; did you mean trainer.max_steps?` when the dataclasses
     of `schema` have no such key, else None. Below a field that is not a section (a list, a dict,
-    `Any`) every key passes: the schema cannot tell."""
-    section, prefix = schema, ""
+    `Any`) every key passes: the schema cannot tell. `root` is where `schema` sits (`hydra.` for
+    Hydra's own HydraConf), put before every name in the message."""
+    section, prefix = schema, root
     for name in key.split("."):
         fields = {f.name: f for f in dataclasses.fields(section)}
         if name not in fields:

@@ -104,6 +104,12 @@ def check_group_choices(args: list[str], conf_dir: Path) -> str | None:
         if any(c in value for c in "()[]{}$"):  # sweep functions, interpolations: Hydra's part
             continue
         options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+        bare = value.strip().strip("'\"")
+        if bare in ("", "null"):  # Hydra: a traceback (null, even where the default is null)
+            return (
+                f"{group}={value}: a config group takes one of its options "
+                f"({', '.join(options)}); leave {group} out for its default"
+            )
         for choice in (c.strip().strip("'\"") for c in value.split(",")):
             if choice and choice != "null" and choice not in options:
                 hint = OPTION_HINTS.get(group, "").format(value=choice)
@@ -119,15 +125,22 @@ def check_override_keys(args: list[str], conf_dir: Path) -> str | None:
 
     Hydra answers `trainer.max_step=5` with advice to add the key with `+`, which the schema then
     refuses at start-up; named here, the typo gets the closest key instead. Hydra's own keys
-    (`hydra.*`, `hydra/launcher=...`), group choices (`cp=2`, `experiment=...`), deletions (`~key`)
-    and its flags are left to Hydra; `+`/`++` keys are checked like plain ones (a real key with `+`
-    still gets Hydra's own advice to drop it)."""
+    (`hydra.run.dirr`) are checked against Hydra's own schema. `hydra/launcher=...`, group
+    choices (`cp=2`, `experiment=...`), deletions (`~key`) and Hydra's flags are left to Hydra;
+    `+`/`++` keys are checked like plain ones (a real key with `+` still gets Hydra's own advice
+    to drop it)."""
     for arg in args:
         key, sep, _ = arg.partition("=")
         key = key.lstrip("+")
         if not sep or arg.startswith(("-", "~")) or "@" in key or "/" in key:
             continue
-        if key == "hydra" or key.startswith("hydra."):
+        if key == "hydra":
+            continue
+        if key.startswith("hydra."):  # Hydra's own schema: its answer to a typo is to add it
+            from hydra.conf import HydraConf
+
+            if problem := unknown_key(key.removeprefix("hydra."), HydraConf, root="hydra."):
+                return problem
             continue
         if "." not in key and (conf_dir / key).is_dir():
             continue  # a group choice; check_group_choices checks the option
