@@ -534,6 +534,13 @@ def test_a_resume_into_a_directory_must_continue_the_timeline_it_records(tmp_pat
     fork = [*rows[:12], *({"step": s, "lm_loss": 1.5 - s / 100} for s in range(13, 17))]
     with pytest.raises(ConfigError, match="records of step 13 differ .*new hydra.run.dir"):
         check_same_run(str(run), tmp_path / "fork" / "step_00000016", {"step": 16, "history": fork})
+    # a fork whose change acts from the update on logs its first loss unchanged: the message
+    # names the field that differs, not two equal losses
+    fork = [*rows[:12], {**rows[12], "lr": 1e-4}, *({"step": s} for s in range(14, 17))]
+    rows[12]["lr"] = 3e-4
+    (run / "metrics.jsonl").write_text("\n".join([lines[0], *map(json.dumps, rows)]) + "\n")
+    with pytest.raises(ConfigError, match=r"step 13 differ first in lr \(0.0003 there, 0.0001 in"):
+        check_same_run(str(run), tmp_path / "fork" / "step_00000016", {"step": 16, "history": fork})
     with pytest.raises(ConfigError, match="records 14 steps up to that step, the checkpoint 16"):
         check_same_run(str(run), own, {"step": 16, "history": [*rows, *fork[14:]]})
     aside = run / "checkpoints" / "set_aside" / "from_step_8-20261204-101010" / "step_00000012"

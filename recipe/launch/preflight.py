@@ -188,9 +188,12 @@ def first_difference(here: list[dict], history: list[dict]) -> str | None:
     """Where a directory's records and a checkpoint's history part, or None if they agree."""
     for mine, theirs in zip(here, history):
         if json.dumps(mine, sort_keys=True) != json.dumps(theirs, sort_keys=True):
+            # the field that differs, not always lm_loss: a fork's first step after the change
+            # can log the same loss (its new setting acts from the update on)
+            field = next(k for k in sorted({*mine, *theirs}) if mine.get(k) != theirs.get(k))
             return (
-                f"the records of step {theirs.get('step')} differ (lm_loss {mine.get('lm_loss')} "
-                f"there, {theirs.get('lm_loss')} in the checkpoint)"
+                f"the records of step {theirs.get('step')} differ first in {field} "
+                f"({_shown(mine, field)} there, {_shown(theirs, field)} in the checkpoint)"
             )
     if len(here) != len(history):
         return (
@@ -198,3 +201,7 @@ def first_difference(here: list[dict], history: list[dict]) -> str | None:
             f"{len(history)}"
         )
     return None
+
+
+def _shown(record: dict, field: str) -> str:
+    return json.dumps(record[field]) if field in record else "absent"
