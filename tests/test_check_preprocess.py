@@ -74,6 +74,22 @@ def test_a_contract_breach_and_a_bad_name_are_reported(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_a_function_that_raises_fails_with_its_minimal_case(capsys):
+    """It was hypothesis's traceback and no FAIL line."""
+    assert main([f"{FAULTY}:raises_on_a_single_token", "--cases", "50"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"FAIL {FAULTY}:raises_on_a_single_token (minimal case after ")
+    assert "lengths=[1] cp=2 tp=1: raises RuntimeError: a one-token sequence " in out
+    assert "(faulty_preprocess.py:" in out and "Traceback" not in out
+
+
+def test_a_function_of_another_signature_is_refused_before_the_search(capsys):
+    assert main([f"{FAULTY}:takes_no_rank"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("check_preprocess: takes (sequences, cu_seqlens_padded), which cannot")
+    assert "fn(sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size=1)" in err
+
+
 @pytest.mark.parametrize(
     "tool, argv, message",
     [

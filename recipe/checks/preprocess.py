@@ -19,6 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
 
 from recipe.checks.arguments import at_least
 from recipe.checks.search import search
@@ -31,9 +34,40 @@ from recipe.parallel.cp.contract import (
 )
 
 
-def check(fn, cases: int = 1000, seed: int = 0) -> tuple[Mismatch | None, int]:
-    """(the minimal failing case or None, how many cases ran)."""
-    return search(micro_batches(), lambda case: first_mismatch(fn, *case), cases, seed)
+@dataclass(frozen=True)
+class Raised:
+    """A function that raised on a valid micro-batch: training would stop there."""
+
+    lengths: tuple[int, ...]
+    cp_size: int
+    tp_size: int
+    error: str
+    where: str
+
+    def describe(self) -> str:
+        return (
+            f"lengths={list(self.lengths)} cp={self.cp_size} tp={self.tp_size}: raises "
+            f"{self.error} ({self.where})"
+        )
+
+
+def check(fn, cases: int = 1000, seed: int = 0) -> tuple[Mismatch | Raised | None, int]:
+    """(the minimal failing case or None, how many cases ran). A function that raises on a
+    valid micro-batch fails with the minimal case that raises (a shape the contract refuses
+    still stops the check: ContractError)."""
+
+    def one(case):
+        try:
+            return first_mismatch(fn, *case)
+        except ContractError:
+            raise
+        except Exception as err:  # the user's code: any error is a finding, shrunk like one
+            frame = traceback.extract_tb(err.__traceback__)[-1]
+            lengths, cp_size, tp_size = case
+            return Raised(tuple(lengths), cp_size, tp_size, f"{type(err).__name__}: {err}",
+                          f"{Path(frame.filename).name}:{frame.lineno}")  # fmt: skip
+
+    return search(micro_batches(), one, cases, seed)
 
 
 def main(argv: list[str] | None = None) -> int:

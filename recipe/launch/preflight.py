@@ -9,7 +9,6 @@ bad choice is one start-up error naming the field, not a failure in every rank.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -78,21 +77,9 @@ def check_preprocess_function(preprocess: str) -> None:
     if kind != FUNCTION:
         return  # a built-in
     try:
-        fn = load_function(preprocess)
+        load_function(preprocess)  # imports it and checks its signature
     except ValueError as err:
         raise ConfigError(f"cp.preprocess={preprocess}: {err}") from None
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # a builtin without a readable signature: the first call will tell
-    try:
-        signature.bind([], None, 2, 0)
-    except TypeError as err:
-        raise ConfigError(
-            f"cp.preprocess={preprocess}: takes {signature}, which cannot be called as "
-            f"fn(sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size=1) ({err}); the "
-            "contract is in recipe/parallel/cp/contract.py"
-        ) from None
 
 
 def check_wandb(wandb_cfg: WandbConfig) -> None:

@@ -58,3 +58,15 @@ def wrong_length(sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size=1):
     """Returns the whole stream instead of this rank's part."""
     total = int(cu_seqlens_padded[-1])
     return torch.zeros(total, dtype=torch.int64), torch.zeros(total, dtype=torch.int64)
+
+
+def raises_on_a_single_token(sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size=1):
+    """Correct except on a one-token sequence, where it raises (a user's own bug)."""
+    if any(len(s) == 1 for s in sequences):
+        raise RuntimeError("a one-token sequence")
+    return index_preprocess(sequences, cu_seqlens_padded, cp_size, cp_rank, tp_size)
+
+
+def takes_no_rank(sequences, cu_seqlens_padded):
+    """Another shape than the contract's."""
+    return index_preprocess(sequences, cu_seqlens_padded, 1, 0)

@@ -92,7 +92,8 @@ def _number(value: float):
 
 
 def load_function(spec: str) -> Callable:
-    """A built-in name (index, verl_fixed, verl_legacy) or `package.module:function`."""
+    """A built-in name (index, verl_fixed, verl_legacy) or `package.module:function` whose
+    signature takes the contract's arguments (ValueError naming the problem otherwise)."""
     parsed = parse_preprocess(spec)
     if parsed.built_in:
         return built_in(spec)
@@ -109,6 +110,18 @@ def load_function(spec: str) -> Callable:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{module_name} has no function {attr} (from {spec})")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn  # a builtin without a readable signature: the first call will tell
+    try:
+        signature.bind([], None, 2, 0)
+    except TypeError as err:
+        raise ValueError(
+            f"takes {signature}, which cannot be called as fn(sequences, cu_seqlens_padded, "
+            f"cp_size, cp_rank, tp_size=1) ({err}); the contract is in "
+            "recipe/parallel/cp/contract.py"
+        ) from None
     return fn
 
 
