@@ -192,7 +192,8 @@ def test_a_report_folder_that_cannot_be_written_is_refused_before_the_search(
         (["verl@0.9.1", "--function", "nope"], "no checked function 'nope'"),
         (["verl@0.9.1", "--fixed", "use_fp8=true"], "not a drawn option"),
         (["verl@0.9.1", "--fixed", "oops"], "write KEY=VALUE"),
-        (["verl@0.0.0"], "pip cannot fetch verl==0.0.0"),
+        (["verl@0.0.0"], "pip cannot fetch verl==0.0.0: ERROR: Could not find a version"),
+        (["verl@not-a-version"], "'not-a-version' is not a version number; write one as PyPI"),
     ],
 )
 def test_the_cli_cannot_run_exits_2_naming_the_problem(argv, message, capsys):

@@ -166,7 +166,9 @@ def _download_wheel(distribution: str, version: str, folder: Path) -> Path:
             done = _pip_download(distribution, version, scratch, "--no-binary=:all:")
             fetched = next(scratch.glob(f"*{SDIST}"), None)
         if done.returncode != 0 or fetched is None:
-            why = (done.stderr.strip().splitlines() or ["no wheel and no sdist"])[-1]
+            lines = done.stderr.strip().splitlines()
+            errors = [line for line in lines if line.startswith("ERROR:")]
+            why = (errors or lines or ["no wheel and no sdist"])[0 if errors else -1]
             raise UpstreamUnavailable(
                 f"pip cannot fetch {distribution}=={version}: {why}. Check the version exists on "
                 f"PyPI (`pip index versions {distribution}`) and that PyPI is reachable"
@@ -194,7 +196,23 @@ def source_file(distribution: str, version: str | None, relative: str) -> tuple[
     if version is None:
         version = installed_version(distribution)
         return installed_file(distribution, relative), version
+    check_version_number(distribution, version)
     return fetched_file(distribution, version, relative), version
+
+
+def check_version_number(distribution: str, version: str) -> None:
+    """A version pip can ask PyPI for, refused here by name (pip's own answer is a caret under
+    the requirement it could not parse)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        Version(version)
+    except InvalidVersion:
+        raise UpstreamUnavailable(
+            f"{version!r} is not a version number; write one as PyPI "
+            f"lists it, e.g. {distribution}@1.2.0 (`pip index versions {distribution}`), or "
+            "leave @VERSION out for the installed release"
+        ) from None
 
 
 class _Placeholder(types.ModuleType):

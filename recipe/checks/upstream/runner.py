@@ -250,7 +250,7 @@ def load_targets(spec: str, function: str | None) -> tuple[list[Checked], dict[s
         except UpstreamUnavailable as err:
             unavailable[target.name] = str(err)
     if not loaded:
-        raise UpstreamUnavailable("; ".join(unavailable.values()))
+        raise UpstreamUnavailable("; ".join(dict.fromkeys(unavailable.values())))  # once each
     return loaded, unavailable
 
 
