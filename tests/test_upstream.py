@@ -247,6 +247,30 @@ def test_a_corrupt_cached_wheel_is_deleted_and_fetched_again(monkeypatch, tmp_pa
     assert not list((tmp_path / "verl-9.9").glob(".extract-*")), "no scratch left behind"
 
 
+@pytest.mark.parametrize("damage", ["garbled", "cut short", "checksum lost"])
+def test_a_damaged_extracted_file_is_extracted_again_from_the_intact_wheel(
+    damage, monkeypatch, tmp_path, caplog
+):
+    """A damaged extracted file was read as the release's code: a SyntaxError with exit 1 (the
+    finding code) or a wrong release blamed with exit 2. The intact wheel is not fetched again."""
+    source = _cache_with_a_cut_wheel(monkeypatch, tmp_path, fetched=None)
+    path = source.fetched_file("verl", "9.9", "verl/utils.py")
+    monkeypatch.setattr(source, "_download_wheel", lambda *a: pytest.fail("fetched again"))
+    if damage == "garbled":
+        path.write_text("X = (\n")  # no longer Python: the SyntaxError of the report
+    elif damage == "cut short":
+        path.write_bytes(path.read_bytes()[:7])
+    else:
+        path.with_name(path.name + ".sha256").unlink()  # a cache from before checksums
+    caplog.clear()
+    assert source.fetched_file("verl", "9.9", "verl/utils.py") == path
+    assert path.read_text() == "X = 1\n" * 100
+    assert f"{path} in the upstream cache does not match the checksum" in caplog.text
+    caplog.clear()
+    source.fetched_file("verl", "9.9", "verl/utils.py")
+    assert "does not match" not in caplog.text, "an intact file is read as it is"
+
+
 def test_a_fetched_wheel_that_cannot_be_read_names_the_file_and_the_fix(monkeypatch, tmp_path):
     source = _cache_with_a_cut_wheel(monkeypatch, tmp_path, fetched=b"an error page, not a zip")
     wheel = tmp_path / "verl-9.9" / "verl-9.9-py3-none-any.whl"

@@ -17,6 +17,7 @@ checked function never calls (`releases.py` and each checker plugin say which an
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.machinery
 import importlib.metadata
 import importlib.util
@@ -69,11 +70,18 @@ def installed_file(distribution: str, relative: str) -> Path:
 def fetched_file(distribution: str, version: str, relative: str) -> Path:
     """`relative` from the release's wheel (or its sdist where it has no wheel), downloaded once
     into the cache. A cached archive that cannot be read (a download cut short, a disk error) is
-    deleted and fetched again."""
+    deleted and fetched again; an extracted file that no longer matches the checksum recorded
+    when it was extracted (or has none) is extracted again: a damaged copy must not be read as
+    the release's code."""
     folder = cache_root() / f"{distribution}-{version}"
     target = folder / "files" / relative
     if target.is_file():
-        return target
+        if _extracted_intact(target):
+            return target
+        log.warning(
+            f"{target} in the upstream cache does not match the checksum recorded when it was "
+            f"extracted (or has none); extracting it again from {distribution}=={version}"
+        )
     wheel = _cached_archive(folder)
     if wheel is not None:
         try:
@@ -93,6 +101,28 @@ def fetched_file(distribution: str, version: str, relative: str) -> Path:
             "and run again, and if it recurs check what serves pip's downloads (its index or "
             "proxy)"
         ) from None
+
+
+def _checksum_file(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _extracted_intact(target: Path) -> bool:
+    recorded = _checksum_file(target)
+    if not recorded.is_file():
+        return False  # extracted before checksums were recorded, or the record was lost
+    return recorded.read_text().strip() == hashlib.sha256(target.read_bytes()).hexdigest()
+
+
+def _place(scratch_file: Path, target: Path) -> None:
+    """Move an extracted file into the cache with its checksum beside it (the checksum first:
+    a reader that finds the file finds its record)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(scratch_file.read_bytes()).hexdigest()
+    record = scratch_file.with_name(scratch_file.name + ".sha256")
+    record.write_text(digest + "\n")
+    os.replace(record, _checksum_file(target))
+    os.replace(scratch_file, target)
 
 
 def _cached_archive(folder: Path) -> Path | None:
@@ -127,8 +157,7 @@ def _extract(wheel: Path, relative: str, folder: Path) -> Path:
         scratch = Path(tempfile.mkdtemp(dir=folder, prefix=".extract-"))
         try:
             archive.extract(relative, scratch)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(scratch / relative, target)
+            _place(scratch / relative, target)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     return target
@@ -146,8 +175,7 @@ def _extract_sdist(sdist: Path, relative: str, folder: Path) -> Path:
         scratch = Path(tempfile.mkdtemp(dir=folder, prefix=".extract-"))
         try:
             (scratch / "file").write_bytes(archive.extractfile(member).read())
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(scratch / "file", target)
+            _place(scratch / "file", target)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     return target
