@@ -15,6 +15,7 @@ from recipe.errors import ConfigError
 from recipe.launch.overrides import (
     check_group_choices,
     check_launcher_plugin,
+    check_output_directory,
     check_override_keys,
     quote_numeric_group_choices,
     run_dir_for_launched_rank,
@@ -39,6 +40,7 @@ if __name__ == "__main__":
         check_launcher_plugin(sys.argv[1:], plugin)
         or check_group_choices(sys.argv[1:], conf)
         or check_override_keys(sys.argv[1:], conf)
+        or check_output_directory(sys.argv[1:], Path.cwd())
     )
     if problem:
         print(f"config error: {problem}", file=sys.stderr)

@@ -193,6 +193,31 @@ def test_a_group_set_to_nothing_is_named_with_its_options(value):
     assert check_group_choices(["cp=2", "convention=megatron_lm"], Path(CONF_DIR)) is None
 
 
+def test_a_run_directory_that_cannot_be_made_is_named_before_hydra(tmp_path):
+    """A read-only run directory ended in Hydra's logging traceback. (The read-only case is
+    played by `writable`: the tests run as root, for whom a read-only folder is writable; a
+    read-only mount gave the same message by hand.)"""
+    from recipe.launch.overrides import check_output_directory
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    message = check_output_directory([f"hydra.run.dir={afile}/run"], tmp_path)
+    assert message == (
+        f"hydra.run.dir={afile}/run: {afile} is a file, not a folder; give a run directory "
+        "elsewhere"
+    )
+    sweep = ["-m", "cp=1,2", f"hydra.sweep.dir={afile}/sweep/${{now:%H}}"]
+    assert check_output_directory(sweep, tmp_path).startswith(f"hydra.sweep.dir={afile}/sweep/")
+    read_only = check_output_directory(["cp=2"], tmp_path, writable=lambda path: False)
+    assert read_only == (
+        f"hydra.run.dir (default outputs/..., under {tmp_path}): {tmp_path} cannot be written (a "
+        "read-only file system, or no permission); give a run directory you can write, e.g. "
+        "hydra.run.dir=$HOME/runs/NAME"
+    )
+    assert check_output_directory([f"hydra.run.dir={tmp_path}/a/b"], tmp_path) is None
+    assert check_output_directory(["hydra.run.dir=${oc.env:RUNS}/x"], tmp_path) is None
+
+
 @pytest.mark.launches
 def test_cli_a_typo_in_an_override_key_exits_2_with_one_line(tmp_path):
     from tests.helpers.cli import run_train_cli

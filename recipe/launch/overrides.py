@@ -147,3 +147,39 @@ def check_override_keys(args: list[str], conf_dir: Path) -> str | None:
         if problem := unknown_key(key):
             return problem
     return None
+
+
+# Where Hydra puts a job's files when no override says: the fixed part of conf/train.yaml's
+# hydra.run.dir and hydra.sweep.dir.
+DEFAULT_OUTPUT_ROOTS = {"run": "outputs", "sweep": "multirun"}
+
+
+def check_output_directory(args: list[str], cwd: Path, writable=None) -> str | None:
+    """A message when the job's run (or sweep) directory cannot be made: its nearest existing
+    folder is a file, or cannot be written (a read-only file system, no permission). Hydra
+    would answer with its logging set-up's traceback; nothing has been written yet here.
+    `writable(path)` defaults to os.access for writing."""
+    import os
+
+    writable = writable or (lambda path: os.access(path, os.W_OK | os.X_OK))
+    multirun = any(arg in ("-m", "--multirun") for arg in args)
+    which = "sweep" if multirun else "run"
+    key = f"hydra.{which}.dir"
+    given = [arg.partition("=")[2] for arg in args if arg.lstrip("+").startswith(f"{key}=")]
+    value = given[-1] if given else DEFAULT_OUTPUT_ROOTS[which]
+    fixed = value.split("${", 1)[0]  # the part no interpolation decides
+    if not fixed:
+        return None
+    path = Path(fixed) if Path(fixed).is_absolute() else cwd / fixed
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    named = f"{key}={value}" if given else f"{key} (default {value}/..., under {cwd})"
+    if not existing.is_dir():
+        return f"{named}: {existing} is a file, not a folder; give a {which} directory elsewhere"
+    if not writable(existing):
+        return (
+            f"{named}: {existing} cannot be written (a read-only file system, or no permission); "
+            f"give a {which} directory you can write, e.g. {key}=$HOME/runs/NAME"
+        )
+    return None
