@@ -430,6 +430,36 @@ def test_a_signalled_self_launched_job_exits_with_the_convention_and_one_line(tm
     assert not _rank_processes(job.pid)
 
 
+@pytest.mark.launches
+def test_ctrl_c_in_a_sweep_of_lone_processes_is_one_line_and_exit_130(tmp_path):
+    """SIGINT to a cp=1 sweep printed a 136-line KeyboardInterrupt traceback (exit 130 was
+    right); a lone run took the same path."""
+    sweep = tmp_path / "sweep"
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+    env["WANDB_MODE"] = "disabled"
+    job = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *TINY, "trainer.max_steps=500"]
+        + [f"hydra.sweep.dir={sweep}", "-m"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_for_steps(job, sweep / "0", 2)
+        job.send_signal(signal.SIGINT)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    assert "interrupted (SIGINT): stopped at once, without a checkpoint; no checkpoint was " in (
+        stderr
+    )
+
+
 @pytest.mark.distributed
 @pytest.mark.skipif(not Path("/proc").exists(), reason="finds rank processes through /proc")
 def test_a_signal_to_one_rank_ends_the_job_like_a_signal_to_the_parent(tmp_path):

@@ -84,6 +84,11 @@ def run(cfg: DictConfig):
         prefix = "config error: " if isinstance(err, ConfigError) else ""
         log.error(f"{where}{prefix}{err}")
         raise SystemExit(err.exit_code) from None
+    except KeyboardInterrupt:  # Ctrl-C stops at once (docs/checkpoints.md): one line, exit 130
+        output_dir = hydra_cfg.runtime.output_dir
+        log.error(f"{where}interrupted (SIGINT): stopped at once, without a checkpoint; "
+                  f"{_how_to_continue(output_dir)}")  # fmt: skip
+        raise SystemExit(130) from None
     except Exception:
         if where:  # what Hydra prints next carries no rank: say whose traceback it is
             log.exception(f"{where}failed with an unexpected error")
