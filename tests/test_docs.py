@@ -57,6 +57,17 @@ def train_commands(text: str) -> list[list[str]]:
     return found
 
 
+def module_commands(text: str, module: str) -> list[list[str]]:
+    """The argument lists of every `python -m MODULE ...` command in the page's shell blocks."""
+    found = []
+    for block in shell_blocks(text):
+        for line in block:
+            words = shlex.split(line.strip(), comments=True) if module in line else []
+            if words[:1] != ["#"] and module in words and words[words.index(module) - 1] == "-m":
+                found.append(words[words.index(module) + 1 :])
+    return found
+
+
 def _variants(args: list[str]) -> list[list[str]]:
     """A multirun's sweeps expanded to their first and last combinations (each value of a sweep
     is a separate job; the first and the last cover both ends of every list)."""
@@ -136,10 +147,40 @@ def test_a_broken_command_is_caught(args, why):
         _check(args)
 
 
+def _upstream_commands() -> list[tuple[str, list[str]]]:
+    return [
+        (f"{page.relative_to(ROOT)}: check_upstream {' '.join(args)}", args)
+        for page in PAGES
+        for args in module_commands(page.read_text(), "recipe.check_upstream")
+        if "--all" not in args  # every library: the table's own test and docs/upstream.json
+    ]
+
+
+@pytest.mark.launches  # fetches the releases' wheels into the cache (once)
+@pytest.mark.parametrize(
+    "where, args", _upstream_commands(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_every_check_upstream_command_in_the_docs_runs(where, args, tmp_path, monkeypatch):
+    """Each documented command gets past everything that exits 2 (the library, release,
+    functions, options and report folder it names are real); the search itself is stood in
+    for, as tests/test_upstream*.py run it with the documented exit codes."""
+    from recipe.checks.upstream import runner
+    from recipe.checks.upstream.cli import main
+
+    monkeypatch.chdir(tmp_path)  # `--report reports/` writes beside the command
+    monkeypatch.setattr(runner, "check_mode", lambda checked, title, *a, **k: runner.ModeResult(
+        title, 0, 0.0, []))  # fmt: skip
+    monkeypatch.setattr(runner, "roll_results", lambda kinds, *a: iter(()))
+    assert main(args) == 0
+
+
 def test_commands_are_found_in_shell_blocks_with_their_variables():
     page = '```bash\nCOMMON="a=1 b=2"\n.venv/bin/python train.py $COMMON c=3  # note\n```\n'
     page += "prose: python train.py not=this\n"
     assert train_commands(page) == [["a=1", "b=2", "c=3"]]
+    page = "```bash\n.venv/bin/python -m recipe.check_upstream verl@0.7.1  # exit 1\n```\n"
+    assert module_commands(page, "recipe.check_upstream") == [["verl@0.7.1"]]
+    assert len(_upstream_commands()) >= 7
 
 
 def test_the_configuration_reference_is_current():
