@@ -129,3 +129,96 @@ def test_a_sequence_of_padding_only_and_an_empty_stream_output_zeros():
 def test_a_length_that_cp_does_not_divide_is_refused():
     with pytest.raises(ValueError, match="sequence 1 is 6, not a multiple of 2\\*cp_size=4"):
         varlen_plan([0, 8, 14], 2, 0)
+
+
+def _flash_varlen_stand_in(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None,
+                           window_size=(-1, -1), enable_gqa=False):  # fmt: skip
+    """What torch 2.14's varlen_attn computes, as its docstring and flash attention define it,
+    written out in plain math: per entry, softmax(q k^T * scale) v with the causal mask aligned
+    to the END of the key range (bottom-right) when window_size == (-1, 0)."""
+    heads, groups = query.shape[1], key.shape[1]
+    assert heads == groups or enable_gqa, "GQA without enable_gqa: torch raises"
+    assert int(cu_seq_q.diff().max()) == max_q and int(cu_seq_k.diff().max()) == max_k
+    assert cu_seq_q.dtype == cu_seq_k.dtype == torch.int32
+    scale = scale or query.shape[-1] ** -0.5
+    out = []
+    for e in range(cu_seq_q.numel() - 1):
+        q = query[cu_seq_q[e] : cu_seq_q[e + 1]].transpose(0, 1)
+        k = key[cu_seq_k[e] : cu_seq_k[e + 1]].repeat_interleave(heads // groups, 1).transpose(0, 1)
+        v = value[cu_seq_k[e] : cu_seq_k[e + 1]].repeat_interleave(heads // groups, 1)
+        scores = q @ k.transpose(1, 2) * scale
+        if tuple(window_size) == (-1, 0):
+            nq, nk = q.shape[1], k.shape[1]
+            hidden = torch.ones(nq, nk, dtype=torch.bool).triu(nk - nq + 1)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        out.append((scores.softmax(-1) @ v.transpose(0, 1)).transpose(0, 1))
+    return torch.cat(out)
+
+
+def _older_stand_in(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False,
+                    scale=None):  # fmt: skip
+    """A varlen_attn with `is_causal` and no GQA (the interface before window_size)."""
+    assert query.shape[1] == key.shape[1], "no enable_gqa: K/V must come expanded"
+    window = (-1, 0) if is_causal else (-1, -1)
+    return _flash_varlen_stand_in(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+                                  scale=scale, window_size=window)  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", [_flash_varlen_stand_in, _older_stand_in], ids=["2.14", "older"])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_one_kernel_call_computes_what_the_per_sequence_path_computes(kernel, cp):
+    """The call `attend_by_plan` makes (argument order, causal window, GQA, scatter), through a
+    stand-in of the kernel written from its definition."""
+    from recipe.model.varlen_plan import attend_by_plan
+
+    padded = [u * 2 * cp for u in (3, 1, 5, 2)]
+    real = [n - k for n, k in zip(padded, (1, 0, 2 * cp + 1, 2 * cp))]
+    cu, cu_real = _cu(padded), _cu(real)
+    full_query, key, value = _inputs(padded, real, 4, 2)
+    for rank in range(cp):
+        local = zigzag_index(cu, cp, rank) if cp > 1 else torch.arange(int(cu[-1]))
+        query = full_query[local]
+        reference = varlen_causal_attention(query, key, value, cu, cp, rank, cu_seqlens=cu_real)
+        layout = stream_layout(cu, cp, rank, cu_real)
+        plan = varlen_plan(layout.bounds, cp, rank, layout.real_lengths)
+        got = attend_by_plan(query, key, value, plan, kernel=kernel)
+        torch.testing.assert_close(got.reshape(reference.shape), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_the_layer_takes_one_kernel_call_and_computes_the_plan_once(monkeypatch):
+    """Where the kernel runs (CUDA, bf16/fp16: played here by forcing the choice), every layer of
+    a micro-batch makes one call, with the plan computed by the first; `per_sequence_attention`
+    turns it off."""
+    import functools
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from recipe.model import attention
+    from recipe.model import varlen_plan as plan_module
+
+    calls = []
+
+    @functools.wraps(_flash_varlen_stand_in)  # its signature: what the call is built from
+    def kernel(*args, **kwargs):
+        calls.append(args[3])  # cu_seq_q: the plan's tensor, the same object every layer
+        return _flash_varlen_stand_in(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "varlen_kernel", lambda: kernel)
+    monkeypatch.setattr(attention, "uses_varlen_kernel",
+                        lambda q: not attention._PER_SEQUENCE_FORCED)  # fmt: skip
+    padded, real = [6, 10, 4], [6, 7, 4]
+    cu, cu_real = _cu(padded).int(), _cu(real).int()
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
+                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu)  # fmt: skip
+    query, key, value = _inputs(padded, real, 4, 2)
+    layer = object.__new__(attention.PackedCausalAttention)  # the forward reads only these
+    layer.softmax_scale, layer.cp_group = None, None
+    forward = attention.PackedCausalAttention.forward
+    first = forward(layer, query, key, value, packed_seq_params=params)
+    second = forward(layer, query, key, value, packed_seq_params=params)
+    assert len(calls) == 2 and calls[0] is calls[1], "one call per layer, one plan per batch"
+    with attention.per_sequence_attention():
+        reference = forward(layer, query, key, value, packed_seq_params=params)
+    assert len(calls) == 2, "forced: the per-sequence path"
+    torch.testing.assert_close(first, reference, rtol=1e-5, atol=1e-6)
+    assert torch.equal(first, second)

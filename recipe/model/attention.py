@@ -10,7 +10,9 @@ Real offsets in cu_seqlens_q beside padded ones in cu_seqlens_q_padded (Megatron
 SFT, Transformer Engine's THD convention) keep the padded layout and hide the padding: keys past a
 sequence's real length are masked and its padded rows output zero. Which SDPA kernel each call
 takes can be recorded (`recording_attention_kernels`): the GPU check reports it and fails a bf16
-attention that fell back to the math kernel on CUDA.
+attention that fell back to the math kernel on CUDA. On CUDA in bf16/fp16 one varlen kernel call
+per layer replaces the per-sequence loop (`varlen_plan.py`); fp32 and the CPU keep the loop, the
+reference the plan is tested against.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from recipe.model.varlen_plan import VarlenPlan, attend_by_plan, varlen_kernel, varlen_plan
 from recipe.parallel.collectives import all_gather_with_sum_backward
 from recipe.parallel.cp.zigzag import global_to_gathered_index, zigzag_index
 
@@ -122,6 +125,47 @@ def micro_batch_layout(packed_seq_params, cp_size: int, cp_rank: int) -> StreamL
     return layout
 
 
+_PLAN_ATTRIBUTE = "_recipe_varlen_plan"
+
+
+def micro_batch_plan(packed_seq_params, layout: StreamLayout, cp_size: int, cp_rank: int,
+                     device) -> VarlenPlan:  # fmt: skip
+    """The varlen plan of a micro-batch, computed by its first attention layer from the layout
+    (host lists: no device read) and kept beside it on the PackedSeqParams."""
+    cached = getattr(packed_seq_params, _PLAN_ATTRIBUTE, None)
+    if cached is not None and cached[0] is layout:
+        return cached[1]
+    plan = varlen_plan(layout.bounds, cp_size, cp_rank, layout.real_lengths, device)
+    setattr(packed_seq_params, _PLAN_ATTRIBUTE, (layout, plan))
+    return plan
+
+
+VARLEN_KERNEL = "varlen_flash_attention"
+"""How `recording_attention_kernels` names the one-call path (torch's varlen_attn)."""
+
+_PER_SEQUENCE_FORCED: list[bool] = []
+
+
+@contextlib.contextmanager
+def per_sequence_attention():
+    """Inside, the per-sequence SDPA path runs even where the varlen kernel could: what the GPU
+    check measures the varlen path against."""
+    _PER_SEQUENCE_FORCED.append(True)
+    try:
+        yield
+    finally:
+        _PER_SEQUENCE_FORCED.pop()
+
+
+def uses_varlen_kernel(query: torch.Tensor) -> bool:
+    """One varlen call per layer on CUDA in bf16/fp16 (autocast's dtype counts) where torch has
+    the kernel; fp32 and the CPU keep the per-sequence path, the reference."""
+    if _PER_SEQUENCE_FORCED or not query.is_cuda:
+        return False
+    dtype = _autocast_dtype(query) or query.dtype
+    return dtype in (torch.bfloat16, torch.float16) and varlen_kernel() is not None
+
+
 _OPEN_KERNEL_RECORDS: list[set[tuple[str, str]]] = []
 """The sets of the `recording_attention_kernels` contexts open now: empty in training, where the
 kernel choice is then never asked for."""
@@ -198,15 +242,15 @@ def attend(
     `recording_attention_kernels` context is open."""
     if _OPEN_KERNEL_RECORDS:
         dtype = _autocast_dtype(query) or query.dtype
-        entry = (
-            str(dtype).removeprefix("torch."),
-            sdpa_kernel_choice(query, key, value, attn_mask, is_causal, scale),
-        )
-        for seen in _OPEN_KERNEL_RECORDS:
-            seen.add(entry)
+        _record_kernel(dtype, sdpa_kernel_choice(query, key, value, attn_mask, is_causal, scale))
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale
     )
+
+
+def _record_kernel(dtype: torch.dtype, kernel: str) -> None:
+    for seen in _OPEN_KERNEL_RECORDS:
+        seen.add((str(dtype).removeprefix("torch."), kernel))
 
 
 def varlen_causal_attention(
@@ -337,6 +381,13 @@ class PackedCausalAttention(MegatronModule):
         if cp_size > 1:
             key = gather_global_stream(key, cu_padded, self.cp_group, layout.gathered_order)
             value = gather_global_stream(value, cu_padded, self.cp_group, layout.gathered_order)
+        if uses_varlen_kernel(query):
+            plan = micro_batch_plan(packed_seq_params, layout, cp_size, cp_rank, query.device)
+            dtype = _autocast_dtype(query) or query.dtype
+            if _OPEN_KERNEL_RECORDS:
+                _record_kernel(dtype, VARLEN_KERNEL)
+            out = attend_by_plan(query, key, value, plan, self.softmax_scale, dtype)
+            return out.reshape(out.shape[0], -1)
         return varlen_causal_attention(
             query,
             key,

@@ -160,3 +160,57 @@ def attend_by_plan_reference(
     if not outputs:
         return query.new_zeros(plan.local_rows, heads, value.shape[-1])
     return _scatter(torch.cat(outputs), plan)
+
+
+def varlen_kernel():
+    """torch's `varlen_attn` (flash attention's cu_seqlens interface), or None where this torch
+    has none (before 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def kernel_arguments(kernel, heads: int, groups: int) -> tuple[dict, bool]:
+    """(the keyword arguments that make `kernel` causal and share K/V groups, whether K/V must
+    be expanded to every head first), read from its signature: torch 2.14 takes
+    `window_size=(-1, 0)` for causal (`is_causal = window_size == (-1, 0)` in its body; cuDNN is
+    taken only for a full window, so a causal call always runs flash attention) and
+    `enable_gqa`; a torch whose varlen_attn has `is_causal` and no `enable_gqa` gets those."""
+    import inspect
+
+    parameters = inspect.signature(kernel).parameters
+    arguments = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+    expand = heads != groups and "enable_gqa" not in parameters
+    if heads != groups and not expand:
+        arguments["enable_gqa"] = True
+    return arguments, expand
+
+
+def attend_by_plan(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: VarlenPlan,
+    scale: float | None = None,
+    dtype: torch.dtype | None = None,
+    kernel=None,
+) -> torch.Tensor:
+    """The plan in ONE varlen kernel call: query `[t_local, heads, dim]`, key/value the global
+    stream `[t_global, groups, dim]`, computed in `dtype` (autocast does not reach a custom op:
+    the caller passes autocast's dtype); returns `[t_local, heads, dim]`."""
+    kernel = kernel or varlen_kernel()
+    heads, groups = query.shape[1], key.shape[1]
+    arguments, expand = kernel_arguments(kernel, heads, groups)
+    q, k, v = _packed_inputs(query, key, value, plan)
+    if dtype is not None:
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+    if expand:
+        k = k.repeat_interleave(heads // groups, dim=1)
+        v = v.repeat_interleave(heads // groups, dim=1)
+    if plan.entries == 0:
+        return q.new_zeros(plan.local_rows, heads, value.shape[-1])
+    out = kernel(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_q, plan.max_k,
+                 scale=scale, **arguments)  # fmt: skip
+    return _scatter(out, plan)
