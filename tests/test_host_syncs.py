@@ -7,10 +7,11 @@ PackedSeqParams, not once per layer. The MTP exact scaling takes the step's glob
 a tensor copied with the micro-batches, not from a list copied to the device per micro-batch.
 A CPU has no synchronisation to count, so these tests count the host reads themselves, with
 the counter of gpu_check's host_syncs part on the CPU (`recipe.checks.gpu.counting_host_reads`):
-the same calls are the synchronisations on a GPU (its CUDA counter counts those there). Only the
-recipe's own reads are gated: megatron-core's unfused THD RoPE reads the boundaries twice per
-layer itself (rope_utils.py, a per-sequence loop over cu_seqlens, for q and k), documented in
-docs/gpu.md.
+the same calls are the synchronisations on a GPU (its CUDA counter counts those there).
+megatron-core's unfused THD RoPE read the boundaries twice per call itself (rope_utils.py, for q
+and k in every layer); the model now routes it through recipe/megatron/rope.py, so the reads by
+ALL code are gated too: none grows with depth (megatron's MTP code still reads a fixed number per
+micro-batch, docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tests.helpers.config import typed_config
 from tests.helpers.world import lone_world
 
 
-def _reads_per_micro_batch(num_layers: int, mtp: bool) -> int:
+def _reads_per_micro_batch(num_layers: int, mtp: bool, owner: str = "recipe") -> int:
     """Host reads during the trainer's own forward and backward of one planned micro-batch
     (`Trainer.forward_backward_step`: MTP scaling, forward, loss, backward; the model built and
     the step planned before counting starts)."""
@@ -41,7 +42,7 @@ def _reads_per_micro_batch(num_layers: int, mtp: bool) -> int:
         work.micro_batches = work.micro_batches[:1]
         with counting_host_reads() as counts:
             trainer.forward_backward_step(work)
-        return counts["recipe"]
+        return sum(counts.values()) if owner == "all" else counts[owner]
 
 
 @pytest.mark.stack_dependent
@@ -50,6 +51,23 @@ def test_host_reads_do_not_grow_with_the_number_of_layers(mtp):
     shallow = _reads_per_micro_batch(1, mtp)
     deep = _reads_per_micro_batch(4, mtp)
     assert deep == shallow, f"{shallow} host reads with 1 layer, {deep} with 4"
+
+
+@pytest.mark.stack_dependent
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
+def test_host_reads_by_all_code_do_not_grow_with_depth_and_rope_makes_none(mtp, monkeypatch):
+    """megatron's unfused THD RoPE read the boundaries for q and k in every layer (4 reads per
+    layer); the recipe's vectorised copy (recipe/megatron/rope.py) reads them once per
+    micro-batch. Its own control: megatron's function back in place grows with depth."""
+    shallow, deep = (_reads_per_micro_batch(n, mtp, "all") for n in (2, 4))
+    assert deep == shallow, f"{shallow} host reads by all code with 2 layers, {deep} with 4"
+    from recipe.megatron import rope
+
+    module = __import__(rope.ROPE_MODULE, fromlist=["_"])
+    monkeypatch.setattr(module, "_apply_rotary_pos_emb_thd", rope.megatron_thd_rope())
+    monkeypatch.setattr("recipe.model.gpt.install_thd_rope", lambda: None)
+    unpatched = [_reads_per_micro_batch(n, mtp, "megatron") for n in (2, 4)]
+    assert unpatched[1] > unpatched[0], unpatched
 
 
 @pytest.mark.stack_dependent

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from recipe.data.packing import PackedBatch
 from recipe.environment import cuda_available
 from recipe.megatron.log_filters import silence_known_warnings
+from recipe.megatron.rope import install_thd_rope
 from recipe.names import CU_SEQLENS_Q
 
 
@@ -167,6 +168,7 @@ def build_gpt_model(
     `mrope_section` its rope is megatron's 3-D (mrope) variant, for vision mode.
     """
     silence_known_warnings()
+    install_thd_rope()  # megatron's THD RoPE, bit for bit, without its host reads per layer
     settings = dict(
         model_cfg=model_cfg,
         vocab_size=vocab_size,

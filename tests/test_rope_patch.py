@@ -1,0 +1,123 @@
+"""megatron's THD RoPE, vectorised (recipe/megatron/rope.py): the rows of `freqs` each token
+takes are megatron's own `_get_thd_freqs_on_this_cp_rank`, the result is megatron's unfused
+function's bit for bit at cp 1/2/4 (both `freqs` formats, interleaved or not, and in a training
+step with MTP), and a micro-batch's later layers read nothing from the device."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recipe.megatron.rope import (
+    ROPE_MODULE,
+    freq_rows,
+    install_thd_rope,
+    megatron_thd_rope,
+    vectorised_thd_rope,
+)
+
+rope = importlib.import_module(ROPE_MODULE)
+
+
+class _Group:
+    """What the RoPE function asks of its CP group."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _bounds(units, cp):
+    lengths = [u * 2 * cp for u in units]
+    return [0, *torch.tensor(lengths).cumsum(0).tolist()]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from([1, 2, 4]).flatmap(
+        lambda cp: st.tuples(
+            st.just(cp),
+            st.integers(0, cp - 1),
+            st.lists(st.integers(1, 5), min_size=1, max_size=6),
+            st.booleans(),
+        )
+    )
+)
+def test_each_token_takes_megatrons_row_of_freqs(case):
+    cp, rank, units, packed = case
+    bounds = _bounds(units, cp)
+    freqs = torch.arange(bounds[-1] if packed else max(units) * 2 * cp)[:, None, None, None]
+    expected = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        x = torch.empty((end - start) // cp)
+        offset = start if packed else 0
+        expected += (
+            rope._get_thd_freqs_on_this_cp_rank(rank, cp, x, freqs, offset).flatten().tolist()
+        )
+    assert freq_rows(bounds, cp, rank, packed) == expected
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("packed", [False, True], ids=["per_sequence", "packed_freqs"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_the_result_is_megatrons_bit_for_bit(cp, packed, interleaved):
+    generator = torch.Generator().manual_seed(cp)
+    units = [3, 1, 4, 2]
+    bounds = _bounds(units, cp)
+    longest = max(units) * 2 * cp
+    freqs = torch.rand(bounds[-1] if packed else longest, 1, 1, 8, generator=generator) * 6
+    for rank in range(cp):
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        t = torch.randn(bounds[-1] // cp, 4, 8, generator=generator)
+        group = _Group(cp, rank)
+        expected = megatron_thd_rope()(t, cu, freqs, rotary_interleaved=interleaved, cp_group=group)
+        got = vectorised_thd_rope(t, cu, freqs, rotary_interleaved=interleaved, cp_group=group)
+        assert torch.equal(got, expected), (cp, rank)
+
+
+def test_a_micro_batchs_later_layers_read_nothing_from_the_device(monkeypatch):
+    cu = torch.tensor(_bounds([3, 1, 2], 2), dtype=torch.int32)
+    freqs = torch.rand(12, 1, 1, 8)
+    t = torch.randn(int(cu[-1]) // 2, 2, 8)
+    first = vectorised_thd_rope(t, cu, freqs, cp_group=_Group(2, 1))
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a host read after the micro-batch's first layer")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", host_read)
+    monkeypatch.setattr(torch.Tensor, "item", host_read)
+    for _ in range(3):  # the other layers and MTP depths, queries and keys
+        assert torch.equal(vectorised_thd_rope(t, cu, freqs, cp_group=_Group(2, 1)), first)
+
+
+def test_the_model_installs_it_and_a_training_step_is_megatrons_bit_for_bit(monkeypatch):
+    """A step with MTP (RoPE in every layer and depth) with the patch and with megatron's own."""
+    from recipe.data.corpus import load_corpus
+    from recipe.training.trainer import Trainer
+    from tests.helpers.config import typed_config
+    from tests.helpers.world import lone_world
+
+    def one_step():
+        cfg = typed_config(["trainer.max_steps=2", "mtp=on"])
+        with lone_world() as layout:
+            trainer = Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data))
+            return [trainer.train_step().to_record() for _ in range(2)]
+
+    timing = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu")
+    patched = one_step()
+    assert rope._apply_rotary_pos_emb_thd is vectorised_thd_rope, "installed with the model"
+    monkeypatch.setattr(rope, "_apply_rotary_pos_emb_thd", megatron_thd_rope())
+    monkeypatch.setattr("recipe.model.gpt.install_thd_rope", lambda: None)
+    reference = one_step()
+    strip = lambda records: [{k: v for k, v in r.items() if k not in timing} for r in records]  # noqa: E731
+    assert strip(patched) == strip(reference)
+    install_thd_rope()
