@@ -222,3 +222,19 @@ def test_the_layer_takes_one_kernel_call_and_computes_the_plan_once(monkeypatch)
     assert len(calls) == 2, "forced: the per-sequence path"
     torch.testing.assert_close(first, reference, rtol=1e-5, atol=1e-6)
     assert torch.equal(first, second)
+
+
+def test_the_attention_benchmark_prints_each_path_against_the_limit(capsys):
+    """benchmarks/attention.py on a tiny batch (its host-read half is test_host_syncs')."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "attention.py"
+    spec = importlib.util.spec_from_file_location("attention_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--device", "cpu", "--sequences", "3", "--max-len", "24", "--repeats", "1"]
+    assert module.main([*argv, "--skip-host-reads"]) == 0
+    out = capsys.readouterr().out
+    assert "dense causal (limit proxy)" in out and "1.00x the limit" in out
+    assert "per-sequence SDPA loop" in out and "plan, entry by entry (CPU stand-in)" in out
