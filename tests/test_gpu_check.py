@@ -187,6 +187,11 @@ def _mfu(entry):
     assert 0 < entry["mfu_median"] < 1 and entry["tokens_per_s_median"] > 0
     assert entry["peak_memory_gib"] is None  # no allocator statistics on the CPU
     assert entry["ran"]["backend"] == "torch" and entry["ran"]["hidden_size"] == 64
+    # the varlen path against the per-sequence loop (cuDNN off as well on CUDA only)
+    variants = entry["variants"]
+    assert list(variants) == ["training's attention", "per-sequence SDPA"]
+    assert variants["training's attention"]["mfu_median"] == entry["mfu_median"]
+    assert all(0 < v["mfu_min"] <= v["mfu_median"] <= v["mfu_max"] for v in variants.values())
 
 
 @dataclass(frozen=True)
