@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from hydra_plugins.recipe_launchers.catalogue_sweeper import catalogue_job
+from hydra_plugins.recipe_launchers.catalogue_sweeper import catalogue_job, fork_late_onsets
 from recipe.config import ConfigError, TrainConfig
 from recipe.config.groups import CompareConfig, MutantConfig
 from recipe.data.packing import pack_sequences
@@ -79,6 +80,40 @@ def test_the_catalogue_sweep_keeps_the_baseline_and_the_mutants_at_cp_above_one(
     assert catalogue_job(["cp='2'", "mutant.name=rank_local_loss", "mutant.onset=451"])
 
 
+def test_a_late_mutant_resumes_from_its_cps_correct_run_at_the_step_before_its_onset():
+    """Steps 1..K-1 of a mutant from onset K are its correct run's (the mutant is off): the
+    sweep trains them once. (A forked run equals the run from scratch, every record of 40
+    steps: measured with rank_local_loss from step 31, docs/mutants.md.)"""
+    jobs = [
+        ["cp='1'", "mutant.name=none", "mutant.onset=1"],
+        ["cp='2'", "mutant.name=none", "mutant.onset=1"],
+        ["cp='4'", "mutant.name=none", "mutant.onset=1"],
+        ["cp='2'", "mutant.name=a", "mutant.onset=1"],
+        ["cp='2'", "mutant.name=a", "mutant.onset=301"],
+        ["cp='4'", "mutant.name=a", "mutant.onset=451"],
+    ]
+    forked = fork_late_onsets(jobs, Path("sweep"), 500)
+    assert forked[0] == jobs[0], "cp=1 has no mutants: no checkpoints"
+    kept = ["trainer.checkpoint_every=150", "trainer.checkpoint_keep=3"]  # gcd(300, 450); 300..500
+    assert forked[1] == [*jobs[1], *kept] and forked[2] == [*jobs[2], *kept]
+    assert forked[3] == jobs[3], "onset 1 trains from the start"
+    assert forked[4][-1] == "trainer.resume=sweep/1/checkpoints/step_00000300"
+    assert forked[5][-1] == "trainer.resume=sweep/2/checkpoints/step_00000450"
+    # a sweep of one late onset: the correct runs carry it too (the sweep's first onset)
+    late_only = [[o.replace("onset=1", "onset=451") for o in job] for job in jobs[:3]]
+    late_only.append(jobs[5])
+    forked = fork_late_onsets(late_only, Path("sweep"), 500)
+    assert [job[-1] for job in forked] == [
+        "mutant.onset=451",
+        "mutant.onset=451",
+        "trainer.checkpoint_keep=2",
+        "trainer.resume=sweep/2/checkpoints/step_00000450",
+    ]
+    alone = [["cp='2'", "mutant.name=a", "mutant.onset=451"]]  # no correct run to fork from
+    assert fork_late_onsets(alone, Path("sweep"), 500) == alone
+    assert fork_late_onsets(jobs[:4], Path("sweep"), 500) == jobs[:4], "no late onset"
+
+
 @pytest.mark.launches
 def test_a_bug_that_starts_late_fails_at_an_anchor_however_wide_the_floor(tmp_path):
     """A 24-step catalogue slice whose floor is widened a million times (as a long run's is):
@@ -112,6 +147,15 @@ def test_a_bug_that_starts_late_fails_at_an_anchor_however_wide_the_floor(tmp_pa
     assert "| 0 | 20 | 21-22 |" not in report  # the baseline is not judged against itself
     rows = [line for line in report.splitlines() if line.startswith("| 1: ")]
     assert len(rows) == 1 + 3 and all("PASS" in r for r in rows), rows  # its 3 anchors pass
+    # the mutant resumed from the correct cp=2 run at step 20: its first 20 records are those
+    overrides = (sweep / "2" / ".hydra" / "overrides.yaml").read_text()
+    assert f"trainer.resume={sweep / '1' / 'checkpoints' / 'step_00000020'}" in overrides
+    from recipe.rundir.metrics import read_metrics
+
+    timing = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu")
+    first = [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(sweep / "1")]
+    forked = [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(sweep / "2")]
+    assert forked[:20] == first[:20] and forked[20] != first[20]
 
     # the negative control: the same run, judged without the baseline's anchors
     import shutil

@@ -4,9 +4,19 @@
 keeps the correct runs (`mutant.name=none`, onset 1) at every cp, cp=1 among them (the baseline),
 and the mutants at cp > 1 only (most mutants are the identity at cp=1, where they would be
 "missed" by construction). The baseline runs first, so its anchors exist for every later job.
+
+A mutant from a late onset K trains steps 1..K-1 exactly as the correct run of its cp does (the
+mutant is off until K, and training is deterministic): instead of training them again it resumes
+from that run's checkpoint of step K-1 (`trainer.resume`, into its own directory, which gets the
+checkpoint's records: the whole curve). The correct runs write those checkpoints
+(`trainer.checkpoint_every`, the greatest common divisor of the K-1, and enough
+`trainer.checkpoint_keep`); they run first, one after another (the basic launcher). At onsets 1
+and 451 of 500 steps this skips 90% of the late half of the catalogue's training.
 """
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper, BasicSweeperConf
 from hydra.core.config_store import ConfigStore
@@ -38,6 +48,40 @@ def _order(overrides) -> tuple:
     return (values.get("mutant.name", "none") != "none", values.get("cp", "1").strip("'\""))
 
 
+def _job(overrides) -> tuple[str, str, int]:
+    """(mutant, cp, onset) of a job's overrides."""
+    values = dict(o.split("=", 1) for o in overrides if "=" in o)
+    cp = values.get("cp", "1").strip("'\"")
+    return values.get("mutant.name", "none"), cp, int(values.get("mutant.onset", "1"))
+
+
+def fork_late_onsets(jobs: list[list[str]], sweep_dir: Path, max_steps: int) -> list[list[str]]:
+    """`jobs` in launch order (correct runs first; the job at index i runs in `sweep_dir/i`)
+    with each late-onset mutant resuming from its cp's correct run at the step before its
+    onset, and the correct runs keeping those checkpoints."""
+    from recipe.rundir.layout import checkpoints_dir, step_name
+
+    parsed = [_job(job) for job in jobs]
+    correct = {cp: i for i, (mutant, cp, _) in enumerate(parsed) if mutant == "none"}
+    late = {onset - 1 for mutant, cp, onset in parsed if mutant != "none" and cp in correct}
+    forks = sorted(step for step in late if 0 < step < max_steps)
+    if not forks:
+        return jobs
+    every = math.gcd(*forks)
+    keep = (max_steps - forks[0]) // every + 2  # every fork point up to the last step
+    forked_cps = {cp for mutant, cp, onset in parsed if mutant != "none" and onset - 1 in forks}
+    forked = []
+    for job, (mutant, cp, onset) in zip(jobs, parsed):
+        if mutant == "none":  # its onset is the sweep's first, which it does not use
+            if cp in forked_cps:
+                job = [*job, f"trainer.checkpoint_every={every}", f"trainer.checkpoint_keep={keep}"]
+        elif onset - 1 in forks and cp in correct:
+            run = checkpoints_dir(sweep_dir / str(correct[cp]))
+            job = [*job, f"trainer.resume={run / step_name(onset - 1)}"]
+        forked.append(job)
+    return forked
+
+
 class CatalogueSweeper(BasicSweeper):
     def split_arguments(self, overrides, max_batch_size):
         jobs = [job for batch in super().split_arguments(overrides, None) for job in batch]
@@ -46,5 +90,8 @@ class CatalogueSweeper(BasicSweeper):
         ]
         first = min(onsets, key=int) if onsets else "1"
         kept = sorted((job for job in jobs if catalogue_job(job, first)), key=_order)
+        kept = fork_late_onsets(
+            kept, Path(self.config.hydra.sweep.dir), int(self.config.trainer.max_steps)
+        )
         size = max_batch_size or len(kept) or 1
         return [kept[i : i + size] for i in range(0, len(kept), size)]
