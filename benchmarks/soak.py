@@ -47,6 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="default",
         help="glibc malloc as it is, with the control settings, or one run of each",
     )
+    parser.add_argument(
+        "--every",
+        type=int,
+        default=500,
+        help="also print RSS at every N steps: where it levels off",
+    )
     parser.add_argument("overrides", nargs="*", help="train.py overrides")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
@@ -125,7 +131,18 @@ def soak(steps: int, overrides: list[str], interval: float, env: dict) -> dict[i
     return samples
 
 
-def summarize(samples: dict[int, list], steps: int, warmup: int) -> list[str]:
+def milestones(series: list, every: int) -> list[tuple[int, float]]:
+    """(step, RSS) at the first sample at or past each multiple of `every`."""
+    marks, found = [], {}
+    for step, rss in series:
+        mark = step // every * every
+        if mark > 0 and mark not in found:
+            found[mark] = rss
+            marks.append((mark, rss))
+    return marks
+
+
+def summarize(samples: dict[int, list], steps: int, warmup: int, every: int = 0) -> list[str]:
     lines = []
     for number, (pid, series) in enumerate(sorted(samples.items())):
         after = [(s, r) for s, r in series if s >= warmup]
@@ -138,6 +155,13 @@ def summarize(samples: dict[int, list], steps: int, warmup: int) -> list[str]:
             f"  process {number} (pid {pid}): {r0:7.0f} MB at step {s0}, {r1:7.0f} MB at step "
             f"{s1}, peak {peak:.0f} MB; after warm-up {per_100:+.1f} MB per 100 steps"
         )
+        marks = milestones(series, every) if every else []
+        if len(marks) > 1:
+            growth = [
+                f"{b[0]}: {b[1]:.0f} MB ({(b[1] - a[1]) / (b[0] - a[0]) * 100:+.1f}/100 steps)"
+                for a, b in zip(marks, marks[1:])
+            ]
+            lines.append(f"    at {marks[0][0]}: {marks[0][1]:.0f} MB; " + "; ".join(growth))
     return lines
 
 
@@ -153,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         took = time.perf_counter() - start
         what = " ".join(args.overrides) or "the default config"
         print(f"{what}, {args.steps} steps, allocator {setting} ({took:.0f} s):")
-        print("\n".join(summarize(samples, args.steps, args.warmup)))
+        print("\n".join(summarize(samples, args.steps, args.warmup, args.every)))
     return 0
 
 
