@@ -219,6 +219,8 @@ def test_a_run_directory_that_cannot_be_made_is_named_before_hydra(tmp_path):
         "hydra.run.dir=$HOME/runs/NAME"
     )
     assert check_output_directory([f"hydra.run.dir={tmp_path}/a/b"], tmp_path) is None
+    # a config of the user's may set the directory: not judged by the default
+    assert check_output_directory(["experiment=cp_parity"], tmp_path, lambda p: False) is None
     assert check_output_directory(["hydra.run.dir=${oc.env:RUNS}/x"], tmp_path) is None
 
 

@@ -94,7 +94,8 @@ def test_a_late_mutant_resumes_from_its_cps_correct_run_at_the_step_before_its_o
     ]
     forked = fork_late_onsets(jobs, Path("sweep"), 500)
     assert forked[0] == jobs[0], "cp=1 has no mutants: no checkpoints"
-    kept = ["trainer.checkpoint_every=150", "trainer.checkpoint_keep=3"]  # gcd(300, 450); 300..500
+    # gcd(300, 450); 300, 450, 500 and one more (a preemption's checkpoint)
+    kept = ["trainer.checkpoint_every=150", "trainer.checkpoint_keep=4"]
     assert forked[1] == [*jobs[1], *kept] and forked[2] == [*jobs[2], *kept]
     assert forked[3] == jobs[3], "onset 1 trains from the start"
     assert forked[4][-1] == "trainer.resume=sweep/1/checkpoints/step_00000300"
@@ -106,9 +107,18 @@ def test_a_late_mutant_resumes_from_its_cps_correct_run_at_the_step_before_its_o
     assert [job[-1] for job in forked] == [
         "mutant.onset=451",
         "mutant.onset=451",
-        "trainer.checkpoint_keep=2",
+        "trainer.checkpoint_keep=3",
         "trainer.resume=sweep/2/checkpoints/step_00000450",
     ]
+    # anything else swept beside cp: each mutant forks from the correct run of its own settings
+    seeds = [[*job, f"trainer.seed={seed}"] for seed in (1, 2) for job in (jobs[1], jobs[4])]
+    seeds = [seeds[0], seeds[2], seeds[1], seeds[3]]  # correct runs first, as launched
+    assert [job[-1] for job in fork_late_onsets(seeds, Path("sweep"), 500)[2:]] == [
+        "trainer.resume=sweep/0/checkpoints/step_00000300",
+        "trainer.resume=sweep/1/checkpoints/step_00000300",
+    ]
+    swept = [[*job, "trainer.max_steps=500"] for job in jobs]  # fork points would differ
+    assert fork_late_onsets(swept, Path("sweep"), 500) == swept
     alone = [["cp='2'", "mutant.name=a", "mutant.onset=451"]]  # no correct run to fork from
     assert fork_late_onsets(alone, Path("sweep"), 500) == alone
     assert fork_late_onsets(jobs[:4], Path("sweep"), 500) == jobs[:4], "no late onset"

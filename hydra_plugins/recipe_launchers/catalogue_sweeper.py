@@ -10,8 +10,9 @@ mutant is off until K, and training is deterministic): instead of training them 
 from that run's checkpoint of step K-1 (`trainer.resume`, into its own directory, which gets the
 checkpoint's records: the whole curve). The correct runs write those checkpoints
 (`trainer.checkpoint_every`, the greatest common divisor of the K-1, and enough
-`trainer.checkpoint_keep`); they run first, one after another (the basic launcher). At onsets 1
-and 451 of 500 steps this skips 90% of the late half of the catalogue's training.
+`trainer.checkpoint_keep`); they run first, one after another: the basic launcher only (a
+launcher that starts the jobs at once trains every mutant from step 1). At onsets 1 and 451 of
+500 steps this skips 90% of the late half of the catalogue's training.
 """
 
 import math
@@ -48,35 +49,46 @@ def _order(overrides) -> tuple:
     return (values.get("mutant.name", "none") != "none", values.get("cp", "1").strip("'\""))
 
 
-def _job(overrides) -> tuple[str, str, int]:
-    """(mutant, cp, onset) of a job's overrides."""
+MUTANT_KEYS = ("mutant.name", "mutant.onset")
+
+
+def _job(overrides) -> tuple[str, tuple, int]:
+    """(mutant, the job's other settings, onset): a mutant forks from the correct run whose
+    settings (cp, and anything else swept beside it) are its own."""
     values = dict(o.split("=", 1) for o in overrides if "=" in o)
-    cp = values.get("cp", "1").strip("'\"")
-    return values.get("mutant.name", "none"), cp, int(values.get("mutant.onset", "1"))
+    values["cp"] = values.get("cp", "1").strip("'\"")
+    rest = tuple(sorted((k, v) for k, v in values.items() if k not in MUTANT_KEYS))
+    return values.get("mutant.name", "none"), rest, int(values.get("mutant.onset", "1"))
 
 
 def fork_late_onsets(jobs: list[list[str]], sweep_dir: Path, max_steps: int) -> list[list[str]]:
     """`jobs` in launch order (correct runs first; the job at index i runs in `sweep_dir/i`)
-    with each late-onset mutant resuming from its cp's correct run at the step before its
-    onset, and the correct runs keeping those checkpoints."""
+    with each late-onset mutant resuming from the correct run of its settings at the step
+    before its onset, and those correct runs keeping the checkpoints. A sweep over
+    `trainer.max_steps` is left as it is (its fork points differ by job)."""
     from recipe.rundir.layout import checkpoints_dir, step_name
 
+    if any(o.startswith("trainer.max_steps=") for job in jobs for o in job):
+        return jobs
     parsed = [_job(job) for job in jobs]
-    correct = {cp: i for i, (mutant, cp, _) in enumerate(parsed) if mutant == "none"}
-    late = {onset - 1 for mutant, cp, onset in parsed if mutant != "none" and cp in correct}
+    correct = {rest: i for i, (mutant, rest, _) in enumerate(parsed) if mutant == "none"}
+    late = {onset - 1 for mutant, rest, onset in parsed if mutant != "none" and rest in correct}
     forks = sorted(step for step in late if 0 < step < max_steps)
     if not forks:
         return jobs
     every = math.gcd(*forks)
-    keep = (max_steps - forks[0]) // every + 2  # every fork point up to the last step
-    forked_cps = {cp for mutant, cp, onset in parsed if mutant != "none" and onset - 1 in forks}
+    # every fork point up to the last step, and one more: a preemption's own checkpoint
+    keep = (max_steps - forks[0]) // every + 3
+    forked_from = {
+        rest for mutant, rest, onset in parsed if mutant != "none" and onset - 1 in forks
+    }
     forked = []
-    for job, (mutant, cp, onset) in zip(jobs, parsed):
+    for job, (mutant, rest, onset) in zip(jobs, parsed):
         if mutant == "none":  # its onset is the sweep's first, which it does not use
-            if cp in forked_cps:
+            if rest in forked_from:
                 job = [*job, f"trainer.checkpoint_every={every}", f"trainer.checkpoint_keep={keep}"]
-        elif onset - 1 in forks and cp in correct:
-            run = checkpoints_dir(sweep_dir / str(correct[cp]))
+        elif onset - 1 in forks and rest in correct:
+            run = checkpoints_dir(sweep_dir / str(correct[rest]))
             job = [*job, f"trainer.resume={run / step_name(onset - 1)}"]
         forked.append(job)
     return forked
@@ -90,8 +102,10 @@ class CatalogueSweeper(BasicSweeper):
         ]
         first = min(onsets, key=int) if onsets else "1"
         kept = sorted((job for job in jobs if catalogue_job(job, first)), key=_order)
-        kept = fork_late_onsets(
-            kept, Path(self.config.hydra.sweep.dir), int(self.config.trainer.max_steps)
-        )
+        if "BasicLauncher" in str(self.config.hydra.launcher.get("_target_", "")):
+            # the forks need the correct runs finished first: jobs run one after another
+            kept = fork_late_onsets(
+                kept, Path(self.config.hydra.sweep.dir), int(self.config.trainer.max_steps)
+            )
         size = max_batch_size or len(kept) or 1
         return [kept[i : i + size] for i in range(0, len(kept), size)]

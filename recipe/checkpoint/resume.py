@@ -182,9 +182,9 @@ def resolve_resume(spec: str | None, run_dir: str | Path | None) -> Path | None:
     if (path / MANIFEST_FILE).is_file() or (path.is_dir() and step_of(path.name) is not None):
         problem = checkpoint_problem(path)
         if problem is not None:
-            older = [p for _, p in checkpoint_directories(path.parent) if p != path]
-            older = [p for p in older if checkpoint_problem(p) is None]
-            hint = f"; the newest before it is {older[-1]}" if older else ""
+            older = (p for _, p in reversed(checkpoint_directories(path.parent)) if p != path)
+            good = next((p for p in older if checkpoint_problem(p) is None), None)
+            hint = f"; the newest before it is {good}" if good else ""
             raise ConfigError(f"trainer.resume={spec} is damaged: {problem}{hint}")
         return path
     for directory in (path / CHECKPOINTS_DIR, path):

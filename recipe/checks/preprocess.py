@@ -62,7 +62,10 @@ def check(fn, cases: int = 1000, seed: int = 0) -> tuple[Mismatch | Raised | Non
         except ContractError:
             raise
         except Exception as err:  # the user's code: any error is a finding, shrunk like one
-            frame = traceback.extract_tb(err.__traceback__)[-1]
+            frames = traceback.extract_tb(err.__traceback__)
+            own = getattr(getattr(fn, "__code__", None), "co_filename", None)
+            # the user's own line, not the library call it made that raised
+            frame = next((f for f in reversed(frames) if f.filename == own), frames[-1])
             lengths, cp_size, tp_size = case
             return Raised(tuple(lengths), cp_size, tp_size, f"{type(err).__name__}: {err}",
                           f"{Path(frame.filename).name}:{frame.lineno}")  # fmt: skip

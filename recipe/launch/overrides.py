@@ -166,6 +166,8 @@ def check_output_directory(args: list[str], cwd: Path, writable=None) -> str | N
     which = "sweep" if multirun else "run"
     key = f"hydra.{which}.dir"
     given = [arg.partition("=")[2] for arg in args if arg.lstrip("+").startswith(f"{key}=")]
+    if not given and any(arg.startswith(("experiment=", "hydra.mode=")) for arg in args):
+        return None  # a config of the user's may set the directory: Hydra's part
     value = given[-1] if given else DEFAULT_OUTPUT_ROOTS[which]
     fixed = value.split("${", 1)[0]  # the part no interpolation decides
     if not fixed:

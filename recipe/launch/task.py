@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from recipe.checkpoint import resolve_resume
+from recipe.checkpoint import complete_checkpoints, resolve_resume
 from recipe.config import ConfigError, TrainConfig
 from recipe.environment import ProcessEnvironment, adopt_environment
 from recipe.errors import RecipeError
@@ -32,6 +32,7 @@ from recipe.launch.rank import train
 from recipe.log import get_logger, quiet_libraries
 from recipe.rundir.claim import claim_run_directory
 from recipe.rundir.job_files import write_job_files
+from recipe.rundir.layout import checkpoints_dir
 from recipe.training.preemption import Preempted
 
 log = get_logger(__name__)
@@ -87,7 +88,7 @@ def run(cfg: DictConfig):
     except KeyboardInterrupt:  # Ctrl-C stops at once (docs/checkpoints.md): one line, exit 130
         output_dir = hydra_cfg.runtime.output_dir
         log.error(f"{where}interrupted (SIGINT): stopped at once, without a checkpoint; "
-                  f"{_how_to_continue(output_dir)}")  # fmt: skip
+                  f"{_how_to_continue(output_dir, verify=False)}")  # fmt: skip
         raise SystemExit(130) from None
     except Exception:
         if where:  # what Hydra prints next carries no rank: say whose traceback it is
@@ -110,9 +111,15 @@ def _rank_and_host(env: ProcessEnvironment) -> str:
     return f"rank {env.rank} on {socket.gethostname()}: " if env.external else ""
 
 
-def _how_to_continue(output_dir: str) -> str:
+def _how_to_continue(output_dir: str, verify: bool = True) -> str:
+    """Where `trainer.resume=auto` would continue. `verify=False` (after Ctrl-C, where a user
+    waits for the prompt) names the newest complete checkpoint without checksumming it."""
     try:
-        checkpoint = resolve_resume("auto", output_dir)
+        if verify:
+            checkpoint = resolve_resume("auto", output_dir)
+        else:
+            found = complete_checkpoints(checkpoints_dir(output_dir))
+            checkpoint = found[-1][1] if found else None
     except ConfigError:  # each damaged one was named in a warning just now
         return "no checkpoint of this run verifies"
     if checkpoint is None:

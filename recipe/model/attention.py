@@ -159,11 +159,16 @@ def per_sequence_attention():
 
 def uses_varlen_kernel(query: torch.Tensor) -> bool:
     """One varlen call per layer on CUDA in bf16/fp16 (autocast's dtype counts) where torch has
-    the kernel; fp32 and the CPU keep the per-sequence path, the reference."""
+    the kernel and flash attention runs; fp32, the CPU and older GPUs keep the per-sequence
+    path, the reference."""
     if _PER_SEQUENCE_FORCED or not query.is_cuda:
         return False
     dtype = _autocast_dtype(query) or query.dtype
-    return dtype in (torch.bfloat16, torch.float16) and varlen_kernel() is not None
+    if dtype not in (torch.bfloat16, torch.float16) or varlen_kernel() is None:
+        return False
+    # flash attention's limits (SDPA falls back silently; varlen_attn would raise): an Ampere
+    # or newer GPU and a head dimension of at most 256
+    return torch.cuda.get_device_capability(query.device) >= (8, 0) and query.shape[-1] <= 256
 
 
 _OPEN_KERNEL_RECORDS: list[set[tuple[str, str]]] = []
