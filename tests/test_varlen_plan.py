@@ -238,3 +238,51 @@ def test_the_attention_benchmark_prints_each_path_against_the_limit(capsys):
     out = capsys.readouterr().out
     assert "dense causal (limit proxy)" in out and "1.00x the limit" in out
     assert "per-sequence SDPA loop" in out and "plan, entry by entry (CPU stand-in)" in out
+
+
+def _vision():
+    from tests.test_vision import VISION
+
+    return VISION
+
+
+@pytest.mark.parametrize("extra", [["mtp=on"], "vision"], ids=["mtp", "vision"])
+def test_training_steps_through_the_plan_match_the_per_sequence_path(extra, monkeypatch):
+    """The whole model (every layer, MTP depths, vision's text stream) with each attention call
+    made as ONE varlen call, the kernel played by its stand-in: the steps the per-sequence path
+    trains, within fp32 rounding (at cp=1 each entry is the same SDPA call: equal)."""
+    import functools
+
+    from recipe.data.corpus import load_corpus
+    from recipe.model import attention
+    from recipe.model import varlen_plan as plan_module
+    from recipe.training.trainer import Trainer
+    from tests.helpers.config import typed_config
+    from tests.helpers.world import lone_world
+
+    calls = []
+
+    @functools.wraps(_flash_varlen_stand_in)
+    def kernel(*args, **kwargs):
+        calls.append(1)
+        return _flash_varlen_stand_in(*args, **kwargs)
+
+    def steps(varlen: bool):
+        monkeypatch.setattr(attention, "uses_varlen_kernel", lambda q: varlen)
+        monkeypatch.setattr(plan_module, "varlen_kernel", lambda: kernel)
+        cfg = typed_config(["trainer.max_steps=3", *extra])
+        with lone_world() as layout:
+            trainer = Trainer(
+                cfg, layout, torch.device("cpu"), load_corpus(cfg.data, cfg.image_grid)
+            )
+            return [trainer.train_step().to_record() for _ in range(3)]
+
+    extra = _vision() if extra == "vision" else extra
+    reference = steps(False)
+    assert not calls
+    planned = steps(True)
+    assert calls, "the plan's path ran"
+    for mine, theirs in zip(planned, reference):
+        for key in ("lm_loss", "grad_norm", "mtp_loss"):
+            if key in theirs:
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
