@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from recipe.config import register_configs
 from recipe.errors import ConfigError
+from recipe.host_memory import bound_host_memory
 from recipe.launch.overrides import (
     check_group_choices,
     check_launcher_plugin,
@@ -52,4 +53,5 @@ if __name__ == "__main__":
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
+    bound_host_memory()  # before the first matrix product, and inherited by every rank
     main()

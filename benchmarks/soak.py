@@ -43,9 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
     parser.add_argument(
         "--allocator",
-        choices=("default", "control", "both"),
+        choices=("default", "control", "both", "unbounded"),
         default="default",
-        help="glibc malloc as it is, with the control settings, or one run of each",
+        help="as the recipe runs (oneDNN's cache and glibc's thresholds bounded: "
+        "recipe/host_memory.py), with the control settings, one run of each, or with "
+        "RECIPE_HOST_MEMORY_DEFAULTS=0 (the libraries' own defaults)",
     )
     parser.add_argument(
         "--every",
@@ -172,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ)
         if setting == "control":
             env.update(ALLOCATOR_CONTROL)
+        if setting == "unbounded":
+            env["RECIPE_HOST_MEMORY_DEFAULTS"] = "0"
         start = time.perf_counter()
         samples = soak(args.steps, args.overrides, args.interval, env)
         took = time.perf_counter() - start
