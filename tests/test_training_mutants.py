@@ -117,8 +117,10 @@ def test_a_late_mutant_resumes_from_its_cps_correct_run_at_the_step_before_its_o
         "trainer.resume=sweep/0/checkpoints/step_00000300",
         "trainer.resume=sweep/1/checkpoints/step_00000300",
     ]
-    swept = [[*job, "trainer.max_steps=500"] for job in jobs]  # fork points would differ
-    assert fork_late_onsets(swept, Path("sweep"), 500) == swept
+    given = [[*job, "trainer.max_steps=500"] for job in jobs]  # given, not swept: forks
+    assert fork_late_onsets(given, Path("sweep"), 500)[4][-1].startswith("trainer.resume=")
+    swept = [[*job, f"trainer.max_steps={500 + 100 * (i % 2)}"] for i, job in enumerate(jobs)]
+    assert fork_late_onsets(swept, Path("sweep"), 500) == swept, "fork points would differ"
     alone = [["cp='2'", "mutant.name=a", "mutant.onset=451"]]  # no correct run to fork from
     assert fork_late_onsets(alone, Path("sweep"), 500) == alone
     assert fork_late_onsets(jobs[:4], Path("sweep"), 500) == jobs[:4], "no late onset"
@@ -134,7 +136,7 @@ def test_a_bug_that_starts_late_fails_at_an_anchor_however_wide_the_floor(tmp_pa
     done = run_train_cli(
         [
             "experiment=training_mutants",
-            "mutant.name=none,rank_local_loss",
+            "mutant.name=none,rank_local_loss,local_arange_positions",
             "cp='1','2'",
             "mutant.onset=21",
             "trainer.max_steps=24",
@@ -148,7 +150,10 @@ def test_a_bug_that_starts_late_fails_at_an_anchor_however_wide_the_floor(tmp_pa
     )
     score = (sweep / "mutation_report.md").read_text()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert score.strip().splitlines()[-1] == "training mutation score: 1/1 caught"
+    # local_arange_positions indexes the learned position table past its end: the job crashes,
+    # which is a catch, and the sweep still exits 0
+    assert score.strip().splitlines()[-1] == "training mutation score: 2/2 caught"
+    assert "| local_arange_positions | 2 | 21 | job failed |" in score
     assert "training mutation score (every mutant caught)" in done.stdout
     assert "parity report (every mutant caught)" in done.stdout  # not "all PASS": a FAIL is in it
     assert "| rank_local_loss | 2 | 21 | anchor 20 (grad_norm) |" in score
@@ -158,26 +163,31 @@ def test_a_bug_that_starts_late_fails_at_an_anchor_however_wide_the_floor(tmp_pa
     rows = [line for line in report.splitlines() if line.startswith("| 1: ")]
     assert len(rows) == 1 + 3 and all("PASS" in r for r in rows), rows  # its 3 anchors pass
     # the mutant resumed from the correct cp=2 run at step 20: its first 20 records are those
-    overrides = (sweep / "2" / ".hydra" / "overrides.yaml").read_text()
+    mutant = next(
+        job for job in sweep.iterdir()
+        if "mutant.name=rank_local_loss" in ((job / ".hydra" / "overrides.yaml").read_text()
+                                            if (job / ".hydra").is_dir() else "")
+    )  # fmt: skip
+    overrides = (mutant / ".hydra" / "overrides.yaml").read_text()
     assert f"trainer.resume={sweep / '1' / 'checkpoints' / 'step_00000020'}" in overrides
     from recipe.rundir.metrics import read_metrics
 
     timing = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu")
     first = [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(sweep / "1")]
-    forked = [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(sweep / "2")]
+    forked = [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(mutant)]
     assert forked[:20] == first[:20] and forked[20] != first[20]
 
     # the negative control: the same run, judged without the baseline's anchors
     import shutil
 
     shutil.rmtree(sweep / "0" / "anchors")
-    shutil.rmtree(sweep / "2" / "anchor_probes")
+    shutil.rmtree(mutant / "anchor_probes")
     again = subprocess.run(
         [
             sys.executable,
             "-m",
             "recipe.compare",
-            str(sweep / "2"),
+            str(mutant),
             "--baseline",
             str(sweep / "0"),
             "--noise-margin",

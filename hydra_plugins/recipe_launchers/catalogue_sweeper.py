@@ -68,7 +68,8 @@ def fork_late_onsets(jobs: list[list[str]], sweep_dir: Path, max_steps: int) -> 
     `trainer.max_steps` is left as it is (its fork points differ by job)."""
     from recipe.rundir.layout import checkpoints_dir, step_name
 
-    if any(o.startswith("trainer.max_steps=") for job in jobs for o in job):
+    given = {o for job in jobs for o in job if o.startswith("trainer.max_steps=")}
+    if len(given) > 1:
         return jobs
     parsed = [_job(job) for job in jobs]
     correct = {rest: i for i, (mutant, rest, _) in enumerate(parsed) if mutant == "none"}
@@ -95,6 +96,32 @@ def fork_late_onsets(jobs: list[list[str]], sweep_dir: Path, max_steps: int) -> 
 
 
 class CatalogueSweeper(BasicSweeper):
+    def sweep(self, arguments):
+        """The basic sweeper's loop, except that a mutant job that failed (a crash is a catch,
+        which the report counts) does not fail the sweep: its exit follows the score and the
+        correct runs (the report's callback), a correct run's own failure still raises."""
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.core.utils import JobStatus
+        from omegaconf import OmegaConf
+
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        parsed = parser.parse_overrides([*self._parse_config(), *arguments])
+        self.overrides = self.split_arguments(parsed, self.max_batch_size)
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        returns, first = [], 0
+        for batch in self.overrides:
+            self.validate_batch_is_legal(batch)
+            results = self.launcher.launch(batch, initial_job_idx=first)
+            for overrides, result in zip(batch, results):
+                if result.status == JobStatus.FAILED and _job(overrides)[0] != "none":
+                    continue
+                _ = result.return_value  # a correct run that failed raises its error here
+            first += len(batch)
+            returns.append(results)
+        return returns
+
     def split_arguments(self, overrides, max_batch_size):
         jobs = [job for batch in super().split_arguments(overrides, None) for job in batch]
         onsets = [
