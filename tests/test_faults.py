@@ -409,7 +409,6 @@ def test_group_choices_leave_what_hydra_owns_alone():
     for args in (
         ["hydra/job_logging=disabled"],
         ["cp.size=8"],
-        ["experiment=null"],
         ["cp='1','2'"],
         ["model=small", "data=pydoc"],
     ):
