@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from recipe.checks.upstream.kit.layouts import GroupStandIn as _Group
 from recipe.megatron.rope import (
     ROPE_MODULE,
     freq_rows,
@@ -21,19 +22,6 @@ from recipe.megatron.rope import (
 )
 
 rope = importlib.import_module(ROPE_MODULE)
-
-
-class _Group:
-    """What the RoPE function asks of its CP group."""
-
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
 
 
 def _bounds(units, cp):
