@@ -11,9 +11,6 @@ which rank and host it is: each writes to its own log, and the first error is ra
 from __future__ import annotations
 
 import logging
-import signal
-import threading
-import time
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -53,7 +50,6 @@ def run(cfg: DictConfig):
     multirun = hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN"
     env = adopt_environment()
     where = _rank_and_host(env)
-    note_sigint()
     try:
         typed = to_typed(cfg)
         check_launched_world(typed, env)
@@ -82,8 +78,6 @@ def run(cfg: DictConfig):
         )
         raise SystemExit(err.exit_code) from None
     except RecipeError as err:  # each carries its exit code
-        if SIGINTS:  # what an interrupted call raised: the interruption is the news
-            _interrupted(where, hydra_cfg.runtime.output_dir)
         if multirun:
             if where:
                 log.error(f"{where}failed: {err}")
@@ -92,10 +86,11 @@ def run(cfg: DictConfig):
         log.error(f"{where}{prefix}{err}")
         raise SystemExit(err.exit_code) from None
     except KeyboardInterrupt:  # Ctrl-C stops at once (docs/checkpoints.md): one line, exit 130
-        _interrupted(where, hydra_cfg.runtime.output_dir)
+        output_dir = hydra_cfg.runtime.output_dir
+        log.error(f"{where}interrupted (SIGINT): stopped at once, without a checkpoint; "
+                  f"{_how_to_continue(output_dir, verify=False)}")  # fmt: skip
+        raise SystemExit(130) from None
     except Exception:
-        if SIGINTS:
-            _interrupted(where, hydra_cfg.runtime.output_dir)
         if where:  # what Hydra prints next carries no rank: say whose traceback it is
             log.exception(f"{where}failed with an unexpected error")
         raise
@@ -106,32 +101,6 @@ def run(cfg: DictConfig):
             log.info(f"compare.noise_floor=twin: training the noise twin of {typed.output_dir}")
             train_twin_here(typed.output_dir)
     return summary.get("final_eval_lm_loss")
-
-
-SIGINTS: list[float] = []
-"""When this process got SIGINT: a call interrupted in C++ may raise its own error instead of
-KeyboardInterrupt (seen once in CI: exit 1, no line), which is then reported as the Ctrl-C."""
-
-
-def note_sigint() -> None:
-    """Record each SIGINT, then do what Python does (raise KeyboardInterrupt). Only where
-    SIGINT still has Python's own handler, in the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return
-
-    def noted(signum, frame):
-        SIGINTS.append(time.monotonic())
-        signal.default_int_handler(signum, frame)
-
-    signal.signal(signal.SIGINT, noted)
-
-
-def _interrupted(where: str, output_dir: str) -> None:
-    log.error(f"{where}interrupted (SIGINT): stopped at once, without a checkpoint; "
-              f"{_how_to_continue(output_dir, verify=False)}")  # fmt: skip
-    raise SystemExit(130) from None
 
 
 def _rank_and_host(env: ProcessEnvironment) -> str:
