@@ -142,10 +142,15 @@ def _newest_good(directory: Path) -> Path | None:
             break
         log.warning(f"skipping damaged checkpoint {path}: {problem}")
     for partial in finished_partials(directory):
-        step = step_of(partial.name[: -len(PARTIAL_SUFFIX)])
+        step = _partial_step(partial)
         if found is None or (step is not None and step > (step_of(found.name) or 0)):
             log.warning(_unrenamed(partial))
     return found
+
+
+def _partial_step(partial: Path) -> int | None:
+    """The step a `step_N.partial` name stands for."""
+    return step_of(partial.name.removesuffix(PARTIAL_SUFFIX))
 
 
 def _unrenamed(partial: Path) -> str:
@@ -212,13 +217,8 @@ def set_aside_newer(directory: Path, step: int) -> list[Path]:
     """A resume from step N starts a new timeline: the checkpoints of the abandoned one past N
     (damaged ones included) move to `set_aside/from_step_N-<time>/`, kept for a look, never
     resumed by `auto` and not counted by `trainer.checkpoint_keep`. Returns where they went."""
-    newer = [
-        entry
-        for entry in (directory.iterdir() if directory.is_dir() else [])
-        if (found := step_of(entry.name.removesuffix(PARTIAL_SUFFIX))) is not None
-        and found > step
-        and (not entry.name.endswith(PARTIAL_SUFFIX) or entry in finished_partials(directory))
-    ]
+    newer = [path for found, path in checkpoint_directories(directory) if found > step]
+    newer += [path for path in finished_partials(directory) if (_partial_step(path) or 0) > step]
     if not newer:
         return []
     target = directory / SET_ASIDE_DIR / f"from_step_{step}-{time.strftime('%Y%m%d-%H%M%S')}"
