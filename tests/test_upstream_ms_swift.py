@@ -1,4 +1,4 @@
-"""ms-swift 4.6.0 and mcore-bridge 1.6.5 (recipe/checks/upstream/libraries/ms_swift.py), loaded
+"""ms-swift 4.6.0 and mcore-bridge 1.6.5 (recipe/checks/upstream/libraries/ms_swift/), loaded
 from their wheels.
 
 The one finding, pinned on the case the checker shrinks it to: with `padding_side=left`,
@@ -31,6 +31,8 @@ import torch
 
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.libraries import ms_swift
+from recipe.checks.upstream.libraries.ms_swift import batch as batch_path
+from recipe.checks.upstream.libraries.ms_swift import release
 from recipe.checks.upstream.runner import check_target
 from recipe.parallel.cp.contract import Impact
 from recipe.parallel.cp.zigzag import zigzag_index
@@ -86,14 +88,14 @@ def test_the_targets_are_the_released_functions(checked):
 def test_left_padding_puts_real_tokens_into_the_tails_padding_segments(batch):
     """The minimal case: one 1-token sample, cp=2, the fused backend (padding_to = 128). The
     collator's row: the token at slot 127, its positions [0, 1, 2, 3] at slots 0-3."""
-    s = {**ms_swift.BATCH_DEFAULTS, **LEFT}
+    s = {**batch_path.BATCH_DEFAULTS, **LEFT}
     finding = batch.finding(([1], 2, 1), LEFT)
     assert finding.impact is Impact.MISPLACED
     assert finding.what == (
         MINIMAL + "the last sample's boundary 4): holds sequence 0 position 0, which trains "
         "there at position 0 of a padding segment"
     )
-    rank0 = ms_swift._run_path(batch.swift, batch.cp_split, [[1]], 2, 0, 1, s, [])
+    rank0 = batch_path.run_path(batch.swift, batch.cp_split, [[1]], 2, 0, 1, s, [])
     assert rank0.width == 128 and rank0.cu_seqlens[:2].tolist() == [0, 4]
     assert rank0.batch["input_ids"][0, :2].tolist() == [0, 0]  # sample 0's slots: padding
     assert int(rank0.batch["input_ids"][0, 62]) == 1  # global slot 127
@@ -112,7 +114,7 @@ def test_left_padding_cuts_a_longer_sample_into_padding_segments(batch):
 
 
 def test_the_search_shrinks_to_the_minimal_case(batch):
-    fixed = {**ms_swift.BATCH_DEFAULTS, **LEFT}  # the micro-batch drawn: a quick shrink
+    fixed = {**batch_path.BATCH_DEFAULTS, **LEFT}  # the micro-batch drawn: a quick shrink
     found, _ = check_target(batch, cases=10, seed=0, fixed=fixed, drawn=True)
     assert found is not None and found.impact is Impact.MISPLACED
     assert found.case == {"lengths": [1], "cp": 2, "tp": 1}
@@ -231,7 +233,7 @@ def test_an_option_the_adapter_does_not_know_refuses(batch):
 
 def test_an_ms_swift_release_without_a_known_mcore_bridge_refuses():
     with pytest.raises(UpstreamUnavailable, match="BRIDGE_FOR_SWIFT"):
-        ms_swift._bridge_version_for("0.0.1")
+        release.bridge_version_for("0.0.1")
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -239,7 +241,7 @@ def test_the_te_stand_in_is_the_zigzag_index(cp):
     """TE's partition kernel as transcribed: the recipe's zigzag index, sequence by sequence."""
     cu = torch.tensor([0, 4 * cp, 6 * cp, 12 * cp], dtype=torch.int32)
     for rank in range(cp):
-        got = ms_swift._TEPartitionStandIn.thd_get_partitioned_indices(cu, int(cu[-1]), cp, rank)
+        got = release.TEPartitionStandIn.thd_get_partitioned_indices(cu, int(cu[-1]), cp, rank)
         assert got.tolist() == zigzag_index(cu, cp, rank).tolist()
     with pytest.raises(AssertionError, match="the kernel's assert"):
-        ms_swift._TEPartitionStandIn.thd_get_partitioned_indices(cu + 1, 40, cp, 0)
+        release.TEPartitionStandIn.thd_get_partitioned_indices(cu + 1, 40, cp, 0)

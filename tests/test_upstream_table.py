@@ -125,6 +125,8 @@ def test_every_plugin_is_registered_once_in_one_line():
 
     source = Path(registry.__file__).read_text()
     used = set(re.findall(r"^REGISTRY\.register\(\"[^\"]+\", (\w+)\.", source, flags=re.M))
-    plugins = {p.stem for p in Path(libraries.__file__).parent.glob("*.py")}
+    folder = Path(libraries.__file__).parent
+    plugins = {p.stem for p in folder.glob("*.py")}  # a plugin module, or a package of them
+    plugins |= {p.parent.name for p in folder.glob("*/__init__.py")}
     helpers = {"__init__", "nemo_automodel_truth"}  # a plugin's own truth, not a library
     assert used == plugins - helpers

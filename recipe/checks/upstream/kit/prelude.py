@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 
 
-class _Placeholder(types.ModuleType):
+class Placeholder(types.ModuleType):
     """A stubbed import: any attribute is an inert class of that name."""
 
     def __getattr__(self, name):
@@ -69,20 +69,21 @@ def extract(wheel, relative, folder):
             archive.extract(relative, folder)
 
 
-def load_from_wheel(wheel, relative, stubs):
+def load_from_wheel(wheel, relative, stubs, package=None):
     """Execute `relative` from the wheel (or sdist) as a private module, `stubs` (name ->
-    attributes) standing in for the imports it makes that the checked code never calls."""
+    attributes) standing in for the imports it makes that the checked code never calls; named
+    inside `package` when given, so the file's relative imports find the stubs named there."""
     folder = Path(tempfile.mkdtemp(prefix="repro-src-"))
     extract(wheel, relative, folder)
     saved = {key: sys.modules.get(key) for key in stubs}
     for key, attributes in stubs.items():
-        module = _Placeholder(key)
+        module = Placeholder(key)
         module.__path__ = []
         for attribute, value in attributes.items():
             setattr(module, attribute, value)
         sys.modules[key] = module
     try:
-        name = "released_" + Path(relative).stem
+        name = (f"{package}." if package else "") + "released_" + Path(relative).stem
         loader = importlib.machinery.SourceFileLoader(name, str(folder / relative))
         module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
         loader.exec_module(module)

@@ -323,7 +323,7 @@ def load_released(archive):
     stubs = {**STUBS, PACKAGE: {}, PACKAGE + ".utils": names}
     saved = {key: sys.modules.get(key) for key in stubs}
     for key, attributes in stubs.items():
-        sys.modules[key] = module = _Placeholder(key)
+        sys.modules[key] = module = Placeholder(key)
         module.__path__ = []
         vars(module).update(attributes)
     try:

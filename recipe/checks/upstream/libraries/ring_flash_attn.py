@@ -278,7 +278,7 @@ def load_released(wheel):
         archive.extract(RELATIVE, folder)
     saved = {key: sys.modules.get(key) for key in STUBS}
     for key in STUBS:
-        module = _Placeholder(key)
+        module = Placeholder(key)
         module.__path__ = []
         sys.modules[key] = module
     try:
