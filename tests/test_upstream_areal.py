@@ -1,5 +1,5 @@
 """AReaL 1.0.4's packed CP split, label roll and reassembly, loaded from its PyPI wheel and run
-as its Megatron engine runs them (recipe/checks/upstream/libraries/areal.py).
+as its Megatron engine runs them (recipe/checks/upstream/libraries/areal/).
 
 The release passes: its split is the zigzag contract on the engine's padding (each sequence
 padded to a multiple of 2*cp*tp, megatron_engine.py:2081, lcm with 16 under fp8, :2082-2086, by
@@ -27,6 +27,10 @@ import torch
 from recipe.checks.search import search
 from recipe.checks.upstream.kit.checked import Finding
 from recipe.checks.upstream.libraries import areal
+from recipe.checks.upstream.libraries.areal import release as areal_release
+from recipe.checks.upstream.libraries.areal.release import ENGINE, PCP
+from recipe.checks.upstream.libraries.areal.shipped_run import micro_batch, split_on_rank
+from recipe.checks.upstream.libraries.areal.targets import MUTATIONS
 from recipe.parallel.cp.contract import Impact
 from recipe.upstream.source import UpstreamUnavailable, cache_root, source_file
 
@@ -38,8 +42,8 @@ FILES = (
     "areal/utils/math.py",
     "areal/utils/constants.py",
     "areal/utils/data.py",
-    areal.PCP,
-    areal.ENGINE,
+    PCP,
+    ENGINE,
 )
 
 
@@ -50,7 +54,7 @@ def checked():
 
 @pytest.fixture(scope="module")
 def wheel():
-    source_file("areal", VERSION, areal.PCP)  # fetches the wheel into the cache once
+    source_file("areal", VERSION, PCP)  # fetches the wheel into the cache once
     return next((cache_root() / f"areal-{VERSION}").glob("*.whl"))
 
 
@@ -107,7 +111,7 @@ def test_the_engine_pads_each_sequence_to_2_cp_tp_and_the_micro_batch_to_a_page(
     alignment, then one padding sequence up to a multiple of lcm(alignment, 256)."""
     release = checked["split"].release
     values = [torch.arange(1, 4), torch.arange(11, 16)]
-    padded_mb, padding, old_cu = areal.micro_batch(
+    padded_mb, padding, old_cu = micro_batch(
         release.modules, release.statements, values, cp, tp, {"enable_fp8": fp8}
     )
     first, second = -(-3 // align) * align, -(-5 // align) * align
@@ -123,9 +127,9 @@ def test_the_split_and_labels_on_a_small_case(checked):
     (0 = padding where the sequence has none)."""
     release = checked["split"].release
     values = [torch.tensor([1, 2, 3]), torch.tensor([11, 12, 13, 14, 15])]
-    padded_mb = areal.micro_batch(release.modules, release.statements, values, 2, 1, {})[0]
+    padded_mb = micro_batch(release.modules, release.statements, values, 2, 1, {})[0]
     got = [
-        areal.split_on_rank(release.modules, release.statements, padded_mb, 2, rank, 1)
+        split_on_rank(release.modules, release.statements, padded_mb, 2, rank, 1)
         for rank in range(2)
     ]
     assert [tokens[:6].tolist() for tokens, _, _ in got] == [
@@ -149,8 +153,8 @@ def test_the_label_of_a_last_token_crosses_into_the_next_sequence_when_no_paddin
     row fills the [B, S] batch and its first token is in the loss."""
     release = checked["split"].release
     values = [torch.tensor([1, 2, 3, 4]), torch.tensor([11, 12, 13])]
-    padded_mb = areal.micro_batch(release.modules, release.statements, values, 2, 1, {})[0]
-    _, labels, _ = areal.split_on_rank(release.modules, release.statements, padded_mb, 2, 0, 1)
+    padded_mb = micro_batch(release.modules, release.statements, values, 2, 1, {})[0]
+    _, labels, _ = split_on_rank(release.modules, release.statements, padded_mb, 2, 0, 1)
     assert labels[:2].tolist() == [2, 11]  # position 0's label, then position 3's: sequence 1's
 
 
@@ -191,12 +195,12 @@ def test_the_broken_copies_are_found_by_the_search(checked):
 
 def _slipped_wheel(tmp_path, wheel, kind):
     """A wheel holding the files the reproducer reads, with the control's slip in its source."""
-    victim, line, slip = areal.MUTATIONS[checked_name(kind)]["function"]
+    victim, line, slip = MUTATIONS[checked_name(kind)]["function"]
     out = tmp_path / f"areal-{VERSION}-py3-none-any.whl"
     with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(out, "w") as target:
         for name in FILES:
             text = source.read(name).decode()
-            if name == areal.PCP:
+            if name == PCP:
                 assert text.count(line) == (2 if kind == "split" else 1)
                 text = text.replace(line, slip, 1)
             target.writestr(name, text)
@@ -254,11 +258,11 @@ def _fake_release(monkeypatch, tmp_path, edits):
             assert text.count(old) == 1
             target.write_text(text.replace(old, new))
     monkeypatch.setattr(
-        areal,
+        areal_release,
         "source_file",
         lambda distribution, version, relative: (tmp_path / "files" / relative, "9.9.9"),
     )
-    areal.load_release.cache_clear()
+    areal_release.load_release.cache_clear()
 
 
 _ALIGN = "        align_to_multiple_of = tp_size * cp_size * 2 if cp_size > 1 else tp_size"
@@ -266,16 +270,16 @@ _PAD = "            seq_align_to=align_to_multiple_of,\n"
 _SIGNATURE = "    cu_seqlens: torch.Tensor,\n) -> tuple"
 UNKNOWN = {
     "a new option of the split": (
-        {areal.PCP: (_SIGNATURE, _SIGNATURE.replace(")", "    cp_layout: str = 'zigzag',\n)"))},
+        {PCP: (_SIGNATURE, _SIGNATURE.replace(")", "    cp_layout: str = 'zigzag',\n)"))},
         "preprocess_packed_seqs_context_parallel has an option the check does not know: "
         "'cp_layout'",
     ),
     "a new keyword of the engine's pad call": (
-        {areal.ENGINE: (_PAD, _PAD + "            batch_align_to=self.batch_align,\n")},
+        {ENGINE: (_PAD, _PAD + "            batch_align_to=self.batch_align,\n")},
         "reads self.batch_align, batch_align_to, which the check does not know",
     ),
     "a new term of the engine's alignment": (
-        {areal.ENGINE: (_ALIGN, "        align_to_multiple_of = tp_size * cp_size * 2 * ep_size")},
+        {ENGINE: (_ALIGN, "        align_to_multiple_of = tp_size * cp_size * 2 * ep_size")},
         "reads ep_size, which the check does not know",
     ),
 }
@@ -289,7 +293,7 @@ def test_an_unknown_option_refuses_the_check(monkeypatch, tmp_path, edits, messa
             SPLIT.load("areal", "areal", "9.9.9")
         assert message in str(info.value)
     finally:
-        areal.load_release.cache_clear()
+        areal_release.load_release.cache_clear()
 
 
 def test_an_unknown_control_part_refuses(checked):
