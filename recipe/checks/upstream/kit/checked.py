@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from recipe.checks.upstream.kit import prelude
 from recipe.parallel.cp.contract import Impact, assess, micro_batches
-from recipe.upstream.releases import Library
+from recipe.upstream.releases import Library, ParallelStateStandIn
 
 __all__ = ["Library"]  # the registry's entry type, defined where training reads it too
 
@@ -137,9 +137,12 @@ class ContractChecked(Checked):
 
 
 def reproducer_prelude() -> str:
-    """The prelude every reproducer starts with: `kit/prelude.py`'s source, less its docstring."""
+    """The prelude every reproducer starts with: `kit/prelude.py`'s source, less its docstring,
+    and the one stand-in for megatron's parallel_state (`ParallelStateStandIn`, the class the
+    checks and training use, so a script plays a rank exactly as the checker did)."""
     source = inspect.getsource(prelude)
-    return source[source.index('"""', 3) + 3 :].lstrip("\n")
+    stand_in = inspect.getsource(ParallelStateStandIn)
+    return source[source.index('"""', 3) + 3 :].lstrip("\n") + "\n\n" + stand_in
 
 
 def reproducer_source(title: str, finding: Finding, body: str, distribution: str,

@@ -321,25 +321,6 @@ FILE = "verl/models/mcore/util.py"
 STUBS = {"verl.utils.device": {"is_npu_available": False}, "verl.utils.model": {}}
 
 
-class ParallelState:
-    """megatron's parallel_state as the function reads it, for one rank."""
-
-    def __init__(self, cp, rank, tp):
-        self.cp, self.rank, self.tp = cp, rank, tp
-
-    def get_context_parallel_world_size(self):
-        return self.cp
-
-    def get_context_parallel_rank(self):
-        return self.rank
-
-    def get_tensor_model_parallel_world_size(self):
-        return self.tp
-
-    def get_context_parallel_group(self):
-        return None
-
-
 class Collectives:
     """torch with all_gather handing back each rank's own tensor of the same name."""
 
@@ -382,7 +363,7 @@ def release_outputs(wheel):
     try:
         shards = []
         for rank in range(cp):
-            module.mpu = ParallelState(cp, rank, tp)
+            module.mpu = ParallelStateStandIn(cp, rank, tp)
             shard = module.preprocess_bshd_engine
             tokens, mask, positions = shard(ids, pre_process=True, need_roll=False, **kwargs)
             fields = {
@@ -399,7 +380,7 @@ def release_outputs(wheel):
         out["cu_seqlens_padded"] = [rows_width * i for i in range(len(lengths) + 1)]
         module.torch = collectives = Collectives(torch, shards)
         for rank in range(cp):
-            module.mpu = ParallelState(cp, rank, tp)
+            module.mpu = ParallelStateStandIn(cp, rank, tp)
             collectives.rank = rank
             back = module.postprocess_bshd_engine(shards[rank]["output"], shards[rank]["mask"])
             out["round_trip"].append([t.tolist() for t in back.unbind()])

@@ -20,7 +20,6 @@ from recipe.checks.upstream.libraries.areal.shipped_run import (
     split_on_rank,
     split_outputs,
 )
-from recipe.upstream.releases import ParallelStateStandIn
 
 # ---- shipped into reproducers: self-contained (imports inside, no module globals) ----------
 
@@ -219,7 +218,6 @@ def postprocess_problems(outputs, case, options):
 SHIPPED = (
     engine_statements,
     run_statements,
-    ParallelStateStandIn,
     GatherStandIn,
     load_modules,
     case_values,

@@ -12,12 +12,12 @@ from recipe.checks.upstream.kit.prelude import fetch_wheel, load_from_wheel
 from recipe.checks.upstream.libraries.ms_swift.reproducers import (
     COMMON,
     SPLIT_TRUTH,
-    Ranks,
     logger,
     megatron_stand_in,
     script,
     sequences,
 )
+from recipe.upstream.releases import ParallelStateStandIn
 
 
 def load_swift_path(wheel, bridge_wheel):
@@ -166,7 +166,7 @@ def batch_outputs(wheel, bridge_version, case, o):
             samples.append(sample)
         data = template._data_collator(samples, padding_to=utils.get_padding_to(args))
         rows, width = data["input_ids"].shape
-        bridge.mpu = split.mpu = trainer.mpu = Ranks(cp, rank, tp)
+        bridge.mpu = split.mpu = trainer.mpu = ParallelStateStandIn(cp, rank, tp)
         batch = trainer.prepare_batch(args, data)
         labels = batch["labels"].reshape(-1)
         weight = (labels != -100).double()

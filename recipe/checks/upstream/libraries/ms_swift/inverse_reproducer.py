@@ -14,11 +14,11 @@ from recipe.checks.upstream.kit.prelude import load_from_wheel
 from recipe.checks.upstream.libraries.ms_swift.reproducers import (
     COMMON,
     PackedSeqParams,
-    Ranks,
     logger,
     megatron_stand_in,
     script,
 )
+from recipe.upstream.releases import ParallelStateStandIn
 
 
 def thd_get_partitioned_indices(cu_seqlens, total_tokens, world_size, rank):
@@ -133,7 +133,7 @@ def round_trip_outputs(wheel, case, spec):
     module.torch = Collectives(shards)
     outputs = {"ranks": []}
     for rank in range(cp):
-        module.mpu = Ranks(cp, rank, tp)
+        module.mpu = ParallelStateStandIn(cp, rank, tp)
         if spec["call"] == "trainer":
             got = module.reconstruct_tensor_cp(
                 cp, shards[rank], params, len(case["lengths"]), spec["mode"]

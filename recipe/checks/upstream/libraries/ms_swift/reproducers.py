@@ -17,6 +17,7 @@ import sys
 import torch
 
 from recipe.checks.upstream.kit.prelude import Placeholder, load_from_wheel
+from recipe.upstream.releases import ParallelStateStandIn
 
 # The script's own imports: the shipped classes below subclass importlib.abc at definition time.
 SCRIPT_IMPORTS = "import contextlib\nimport importlib.abc\nimport os\n\nimport torch\n"
@@ -64,25 +65,6 @@ def megatron_stand_in():
         for key in [k for k in sys.modules if k == "megatron" or k.startswith("megatron.")]:
             del sys.modules[key]
         sys.modules.update(saved)
-
-
-class Ranks:
-    """megatron's parallel_state for one rank, one process playing every rank."""
-
-    def __init__(self, cp, rank, tp):
-        self.cp, self.rank, self.tp = cp, rank, tp
-
-    def get_context_parallel_world_size(self):
-        return self.cp
-
-    def get_context_parallel_rank(self):
-        return self.rank
-
-    def get_tensor_model_parallel_world_size(self):
-        return self.tp
-
-    def get_context_parallel_group(self):
-        return None
 
 
 def logger(*args, **kwargs):
@@ -188,7 +170,7 @@ def split_outputs(wheel, case, o):
     kwargs = {} if o["cp_partition_mode"] == "zigzag" else {"cp_partition_mode": "contiguous"}
     outputs = {"layout": layout, "rows": rows, "width": width, "ranks": []}
     for rank in range(cp):
-        bridge.mpu = Ranks(cp, rank, tp)
+        bridge.mpu = ParallelStateStandIn(cp, rank, tp)
         got = {}
         for name, values in fields.items():
             x = torch.tensor(values).reshape(rows, width)
@@ -203,7 +185,7 @@ def split_outputs(wheel, case, o):
     return outputs
 
 
-COMMON = (PackedSeqParams, MegatronStandIn, megatron_stand_in, Ranks, logger, sequences)
+COMMON = (PackedSeqParams, MegatronStandIn, megatron_stand_in, logger, sequences)
 SPLIT_TRUTH = (expected_slots, split_problems)
 
 
