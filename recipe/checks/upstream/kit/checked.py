@@ -140,9 +140,14 @@ def reproducer_prelude() -> str:
     """The prelude every reproducer starts with: `kit/prelude.py`'s source, less its docstring,
     and the one stand-in for megatron's parallel_state (`ParallelStateStandIn`, the class the
     checks and training use, so a script plays a rank exactly as the checker did)."""
-    source = inspect.getsource(prelude)
     stand_in = inspect.getsource(ParallelStateStandIn)
-    return source[source.index('"""', 3) + 3 :].lstrip("\n") + "\n\n" + stand_in
+    return shipped_module_source(prelude) + "\n\n" + stand_in
+
+
+def shipped_module_source(module) -> str:
+    """A module shipped whole into reproducers: its source, less its docstring."""
+    source = inspect.getsource(module)
+    return source[source.index('"""', 3) + 3 :].lstrip("\n")
 
 
 def reproducer_source(title: str, finding: Finding, body: str, distribution: str,
