@@ -62,23 +62,12 @@ late) that the search flags on lengths [1], world size 2.
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
-
 from recipe.checks.upstream.kit import layouts
-from recipe.checks.upstream.kit.checked import (
-    Checked,
-    CheckTarget,
-    Finding,
-    Library,
-    function_line,
-    reproducer_source,
-    with_defaults,
-)
-from recipe.checks.upstream.libraries.ring_flash_attn import packed_cu_seqlens
-from recipe.parallel.cp.contract import Impact, micro_batches
+from recipe.checks.upstream.kit.checked import Finding, Library
+from recipe.checks.upstream.kit.module_checked import ModuleChecked, ModuleTarget, packed_cu_seqlens
+from recipe.checks.upstream.kit.prelude import load_from_wheel
 from recipe.upstream.releases import partition_options
-from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
+from recipe.upstream.source import load_module
 
 FILE = "fla/ops/cp/context.py"
 FUNCTION = "get_cp_cu_seqlens"
@@ -96,19 +85,35 @@ FIXED = {
     "use_tf32x3_affine_chain": "True: False raises by design (context.py:23-27)",
     "kwargs": "none: any raises TypeError by design (context.py:28-29)",
 }
+# What each case does besides the call, printed under the check's header.
+NOTES = (
+    "each case calls every rank of the world size; truth per token: its sequence and the part "
+    "holding it (contiguous: W parts, zigzag: 2W parts of the whole stream)",
+    "padding: own_sequence = a padding sequence of its own; last_sequence = added to the last "
+    "sequence (T must divide into the parts, context.py:202-207)",
+)
 # The negative control: a part's last sequence located from its end, not its last token, so a
 # sequence ending at a part's edge reads as running on into the next part.
 CONTROL_LINE = "last_pos = (last_seq_global_end - 1) // part_len"
 CONTROL_REPLACEMENT = "last_pos = last_seq_global_end // part_len"
 
 
-def _identity(fn):
+def tensor_cache(fn):
+    """fla.utils' `tensor_cache` as identity: every call computed (see the docstring)."""
     return fn
 
 
-STUBS = {"fla": {}, "fla.utils": {"IS_NPU": False, "IS_NVIDIA": False, "tensor_cache": _identity}}
+def context_stubs(own_name):
+    """The stubs context.py loads with (the docstring's), and its own module name."""
+    return {
+        "fla": {},
+        "fla.utils": {"IS_NPU": False, "IS_NVIDIA": False, "tensor_cache": tensor_cache},
+        own_name: {},  # for @dataclass
+    }
 
-# ---- The model. Plain Python (and torch for the call): the reproducer carries this source.
+
+# ---- The model. Plain Python (and torch for the call): the reproducer carries this source,
+# with the stubs and the functions below that load the release and check its outputs.
 
 SCALARS = ("pre_num_ranks", "post_num_ranks", "is_first_rank", "is_last_rank",
            "pre_num_conv_tokens")  # fmt: skip
@@ -137,6 +142,12 @@ def call_outputs(function, bounds, world_size, layout):
         except Exception as err:  # noqa: BLE001 (a raise on a valid input is what is reported)
             outputs.append({"raises": f"{type(err).__name__}: {err}"})
     return outputs
+
+
+def stream_bounds(lengths, world_size, layout, padding):
+    """The cu_seqlens passed: `lengths` packed, padded to a multiple of the part count."""
+    parts = world_size * (1 if layout == "contiguous" else 2)
+    return packed_cu_seqlens(lengths, parts, padding)
 
 
 def slots_of_rank(rank, world_size, layout):
@@ -242,37 +253,20 @@ def context_problems(outputs, lengths, bounds, world_size, layout):
     return found
 
 
-_MODEL = (packed_cu_seqlens, call_outputs, slots_of_rank, part_truth, reference_outputs,
-          context_problems)  # fmt: skip
-_MODEL_SOURCE = "\n\n".join(inspect.getsource(f) for f in _MODEL)
-
-_REPRODUCER_BODY = """
-RELATIVE = "fla/ops/cp/context.py"
-STUBS = {"fla": {}, "fla.utils": {"IS_NPU": False, "IS_NVIDIA": False,
-                                  "tensor_cache": lambda fn: fn},
-         "released_context": {}}  # the module's own name, for @dataclass
-SCALARS = SCALARS_VALUE
-BY_PART = BY_PART_VALUE
+def released_outputs(wheel, case, options):
+    """Every rank's context from the release in `wheel`, on the case."""
+    module = load_from_wheel(wheel, FILE, context_stubs("released_context"))
+    bounds = stream_bounds(case["lengths"], case["world_size"], options["layout"],
+                           options["padding"])  # fmt: skip
+    return call_outputs(getattr(module, FUNCTION), bounds, case["world_size"], options["layout"])
 
 
-MODEL_SOURCE
-
-
-def _case():
-    parts = CASE["world_size"] * (1 if OPTIONS["layout"] == "contiguous" else 2)
-    return packed_cu_seqlens(CASE["lengths"], parts, OPTIONS["padding"])
-
-
-def release_outputs(wheel):
-    function = load_from_wheel(wheel, RELATIVE, STUBS).get_cp_cu_seqlens
-    return call_outputs(function, _case(), CASE["world_size"], OPTIONS["layout"])
-
-
-def problems(outputs):
-    found = context_problems(outputs, CASE["lengths"], _case(), CASE["world_size"],
-                             OPTIONS["layout"])
+def released_problems(outputs, case, options):
+    bounds = stream_bounds(case["lengths"], case["world_size"], options["layout"],
+                           options["padding"])  # fmt: skip
+    found = context_problems(outputs, case["lengths"], bounds, case["world_size"],
+                             options["layout"])  # fmt: skip
     return [message for _, message in found]
-"""
 
 
 def signature_options(function, label: str) -> tuple[dict[str, tuple], dict[str, str]]:
@@ -281,94 +275,40 @@ def signature_options(function, label: str) -> tuple[dict[str, tuple], dict[str,
     return {**drawn, "padding": DRAWN["padding"]}, skipped  # padding: an input option
 
 
-@dataclass
-class ContextChecked(Checked):
+class ContextChecked(ModuleChecked):
     """`get_cp_cu_seqlens` of one release, loaded."""
 
-    module: object = None
+    function_name = FUNCTION
+    defaults = DEFAULTS
+    shipped = (tensor_cache, context_stubs, packed_cu_seqlens, stream_bounds, call_outputs,
+               slots_of_rank, part_truth, reference_outputs, context_problems, released_outputs,
+               released_problems)  # fmt: skip
+    title = "each rank's local cu_seqlens and state/conv metadata"
 
-    @property
-    def line(self) -> int:
-        return function_line(self.module, FUNCTION)
-
-    @property
-    def function(self):
-        return getattr(self.module, FUNCTION)
-
-    def cases(self, min_length: int = 1):
-        """(lengths, world size): the checker's micro-batches without tp (tp does not enter)."""
-        return micro_batches(min_length=min_length).map(lambda case: (case[0], case[1]))
-
-    @staticmethod
-    def _options(options: dict) -> dict:
-        return with_defaults(options, DEFAULTS)
-
-    def finding(self, case, options: dict) -> Finding | None:
-        lengths, world_size = list(case[0]), case[1]
-        chosen = self._options(options)
-        parts = world_size * (1 if chosen["layout"] == "contiguous" else 2)
-        bounds = packed_cu_seqlens(lengths, parts, chosen["padding"])
+    def case_problems(self, lengths, world_size, chosen):
+        bounds = stream_bounds(lengths, world_size, chosen["layout"], chosen["padding"])
         outputs = call_outputs(self.function, bounds, world_size, chosen["layout"])
-        found = context_problems(outputs, lengths, bounds, world_size, chosen["layout"])
-        if not found:
-            return None
-        level, what = max(found, key=lambda f: f[0])  # the first of the worst
-        return Finding(
-            {"lengths": lengths, "world_size": world_size},
-            tuple(sorted(chosen.items())),
-            Impact(level),
-            f"lengths={lengths} world_size={world_size} (cu_seqlens={bounds}): {what}",
-        )
+        return bounds, context_problems(outputs, lengths, bounds, world_size, chosen["layout"])
 
-    def broken_copy(self, part: str = "function") -> ContextChecked:
-        if part != "function":
-            raise UpstreamUnavailable(f"{self.label} has no {part} to break")
-        broken = layouts.mutated_copy(self.module, (HELPER, FUNCTION), HELPER, CONTROL_LINE,
-                                      CONTROL_REPLACEMENT, self.label)  # fmt: skip
-        return ContextChecked(
-            self.library, self.version, self.name, self.distribution, self.file,
-            dict(self.drawn), dict(self.skipped), self.notes, broken,
-        )  # fmt: skip
+    def broken_module(self):
+        return layouts.mutated_copy(self.module, (HELPER, FUNCTION), HELPER, CONTROL_LINE,
+                                    CONTROL_REPLACEMENT, self.label)  # fmt: skip
 
-    def reproducer(self, finding: Finding) -> str:
-        body = (
-            _REPRODUCER_BODY.replace("MODEL_SOURCE", _MODEL_SOURCE)
-            .replace("SCALARS_VALUE", repr(SCALARS))
-            .replace("BY_PART_VALUE", repr(BY_PART))
-        )
-        title = f"{self.label}: each rank's local cu_seqlens and state/conv metadata"
-        return reproducer_source(title, finding, body, self.distribution, self.version)
+    def shipped_constants(self) -> dict:
+        return {"FILE": FILE, "FUNCTION": FUNCTION, "SCALARS": SCALARS, "BY_PART": BY_PART}
 
     def truth_outputs(self, finding: Finding):
-        options = self._options(dict(finding.options))
+        options = self.chosen_options(dict(finding.options))
         world_size = finding.case["world_size"]
-        parts = world_size * (1 if options["layout"] == "contiguous" else 2)
-        bounds = packed_cu_seqlens(finding.case["lengths"], parts, options["padding"])
+        bounds = stream_bounds(finding.case["lengths"], world_size, options["layout"],
+                               options["padding"])  # fmt: skip
         return reference_outputs(bounds, world_size, options["layout"])
 
 
-class ContextTarget(CheckTarget):
-    name = FUNCTION
-    file = FILE
-
-    def load(self, library: str, distribution: str, version: str | None) -> ContextChecked:
-        path, version = source_file(distribution, version, FILE)
-        name = f"recipe_upstream_{library}_{version}_context".replace(".", "_").replace("-", "_")
-        module = load_module(path, name, {**STUBS, name: {}})  # see the docstring
-        label = f"{library}@{version} {FUNCTION}"
-        if not callable(getattr(module, FUNCTION, None)):
-            raise UpstreamUnavailable(f"{library}@{version} has no {FUNCTION} in {FILE}")
-        drawn, skipped = signature_options(getattr(module, FUNCTION), label)
-        notes = (
-            "each case calls every rank of the world size; truth per token: its sequence and "
-            "the part holding it (contiguous: W parts, zigzag: 2W parts of the whole stream)",
-            "padding: own_sequence = a padding sequence of its own; last_sequence = added to "
-            "the last sequence (T must divide into the parts, context.py:202-207)",
-        )
-        return ContextChecked(
-            library, version, FUNCTION, distribution, FILE, drawn, skipped, notes, module
-        )
+def load_release(path, library: str, version: str):
+    name = f"recipe_upstream_{library}_{version}_context".replace(".", "_").replace("-", "_")
+    return load_module(path, name, context_stubs(name))  # see the docstring
 
 
-TARGET = ContextTarget()
+TARGET = ModuleTarget(FUNCTION, FILE, ContextChecked, NOTES, load_release, signature_options)
 LIBRARY = Library("fla-core", (TARGET,), releases=("0.6.0",))

@@ -52,22 +52,12 @@ loaded as a module of a private package so that its relative import resolves to 
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
-
 from recipe.checks.upstream.kit import layouts
-from recipe.checks.upstream.kit.checked import (
-    Checked,
-    CheckTarget,
-    Finding,
-    Library,
-    function_line,
-    reproducer_source,
-    with_defaults,
-)
-from recipe.parallel.cp.contract import Impact, micro_batches
+from recipe.checks.upstream.kit.checked import Finding, Library
+from recipe.checks.upstream.kit.module_checked import ModuleChecked, ModuleTarget, packed_cu_seqlens
+from recipe.checks.upstream.kit.prelude import load_from_wheel
 from recipe.upstream.releases import partition_options
-from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
+from recipe.upstream.source import load_module
 
 FILE = "ring_flash_attn/llama3_flash_attn_varlen.py"
 FUNCTION = "llama3_flash_attn_prepare_cu_seqlens"
@@ -79,28 +69,28 @@ FIXED = {
     "rank": "every rank of the drawn world size, one process playing each",
     "world_size": "the drawn world size (2, 4, 8)",
 }
+# What each case does besides the call, printed under the check's header.
+NOTES = (
+    "each case calls every rank of the world size; the spans are those flash-attn's varlen "
+    "kernel computes from the outputs (bottom-right causal alignment)",
+    "padding: last_sequence = OpenRLHF's (the stream's padding joins the last sequence); "
+    "own_sequence = a padding sequence of its own",
+)
 # The break the negative control makes: each rank's last sequence keeps one key past the rank's
 # own tokens (an inclusive end read as exclusive), so its last query sees a future token.
 CONTROL_LINE = "slice_right = (rank + 1) * length_per_rank"
 
 
 # ---- The span model. Plain Python (and torch for the call), so that the reproducer carries the
-# same code: `_MODEL_SOURCE` below is these functions' own source.
+# same code (`PrepareChecked.shipped`: these functions' own source), with the stubs and the
+# functions below that load the release and check its outputs.
 
 
-def packed_cu_seqlens(lengths, world_size, padding):
-    """The cu_seqlens a caller passes: `lengths` packed, the stream padded to a multiple of
-    `world_size`, the padding joining the last sequence ("last_sequence", OpenRLHF's way) or
-    being a sequence of its own ("own_sequence")."""
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    pad = -bounds[-1] % world_size
-    if pad and padding == "own_sequence":
-        bounds.append(bounds[-1] + pad)
-    elif pad:
-        bounds[-1] += pad
-    return bounds
+def prepare_stubs(package):
+    """The stubs the file loads with (the docstring's), `package` the private package it is
+    loaded in (its `from .utils import` needs one)."""
+    return {"flash_attn": {}, "flash_attn.flash_attn_interface": {}, package: {},
+            package + ".utils": {}}  # fmt: skip
 
 
 def call_outputs(function, bounds, causal, world_size):
@@ -252,63 +242,18 @@ def reference_outputs(lengths, world_size, causal, padding):
     return outputs
 
 
-_MODEL = (
-    packed_cu_seqlens,
-    call_outputs,
-    kernel_spans,
-    refused,
-    span_problems,
-    reference_outputs,
-)
-_MODEL_SOURCE = "\n\n".join(inspect.getsource(f) for f in _MODEL)
-
-# ---- The reproducer's own part. load_from_wheel (the shared prelude) names the module without
-# a package, and this file imports `.utils`: the reproducer loads it under a private package.
-_REPRODUCER_BODY = '''
-RELATIVE = "ring_flash_attn/llama3_flash_attn_varlen.py"
-PACKAGE = "released_ring_flash_attn"
-STUBS = {"flash_attn": {}, "flash_attn.flash_attn_interface": {}, PACKAGE: {},
-         PACKAGE + ".utils": {}}
+def released_outputs(wheel, case, options):
+    """What every rank's call of the release in `wheel` returns, on the case."""
+    package = "released_ring_flash_attn"
+    module = load_from_wheel(wheel, FILE, prepare_stubs(package), package=package)
+    bounds = packed_cu_seqlens(case["lengths"], case["world_size"], options["padding"])
+    return call_outputs(getattr(module, FUNCTION), bounds, options["causal"], case["world_size"])
 
 
-def load_released(wheel):
-    """The file as a module of a stub package (its `from .utils import` needs one)."""
-    folder = Path(tempfile.mkdtemp(prefix="repro-src-"))
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extract(RELATIVE, folder)
-    saved = {key: sys.modules.get(key) for key in STUBS}
-    for key in STUBS:
-        module = Placeholder(key)
-        module.__path__ = []
-        sys.modules[key] = module
-    try:
-        name = PACKAGE + "." + Path(RELATIVE).stem
-        loader = importlib.machinery.SourceFileLoader(name, str(folder / RELATIVE))
-        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
-        loader.exec_module(module)
-        return module
-    finally:
-        for key, before in saved.items():
-            if before is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = before
-
-
-MODEL_SOURCE
-
-
-def release_outputs(wheel):
-    function = load_released(wheel).llama3_flash_attn_prepare_cu_seqlens
-    bounds = packed_cu_seqlens(CASE["lengths"], CASE["world_size"], OPTIONS["padding"])
-    return call_outputs(function, bounds, OPTIONS["causal"], CASE["world_size"])
-
-
-def problems(outputs):
-    found = span_problems(outputs, CASE["lengths"], CASE["world_size"], OPTIONS["causal"],
-                          OPTIONS["padding"])
+def released_problems(outputs, case, options):
+    found = span_problems(outputs, case["lengths"], case["world_size"], options["causal"],
+                          options["padding"])  # fmt: skip
     return [message for _, message in found]
-'''
 
 
 def signature_options(function, label: str) -> tuple[dict[str, tuple], dict[str, str]]:
@@ -317,106 +262,42 @@ def signature_options(function, label: str) -> tuple[dict[str, tuple], dict[str,
     return {"padding": DRAWN["padding"], **drawn}, skipped  # padding: an input option
 
 
-def _case_text(lengths, world_size, padding) -> str:
-    bounds = packed_cu_seqlens(lengths, world_size, padding)
-    return f"lengths={list(lengths)} world_size={world_size} (cu_seqlens={bounds})"
+class PrepareChecked(ModuleChecked):
+    """`llama3_flash_attn_prepare_cu_seqlens` of one release, loaded. Its cases: the ring group
+    is the CP group; tp does not change what this function returns."""
 
+    function_name = FUNCTION
+    defaults = DEFAULTS
+    shipped = (prepare_stubs, packed_cu_seqlens, call_outputs, kernel_spans, refused,
+               span_problems, reference_outputs, released_outputs, released_problems)  # fmt: skip
+    title = "the attention spans its outputs give flash-attn's varlen kernel"
 
-@dataclass
-class PrepareChecked(Checked):
-    """`llama3_flash_attn_prepare_cu_seqlens` of one release, loaded."""
-
-    module: object = None
-
-    @property
-    def line(self) -> int:
-        return function_line(self.module, FUNCTION)
-
-    @property
-    def function(self):
-        return getattr(self.module, FUNCTION)
-
-    def cases(self, min_length: int = 1):
-        """(lengths, world size): the checker's micro-batches without tp (the ring group is
-        the CP group; tp does not change what this function returns)."""
-        return micro_batches(min_length=min_length).map(lambda case: (case[0], case[1]))
-
-    @staticmethod
-    def _options(options: dict) -> dict:
-        return with_defaults(options, DEFAULTS)
-
-    def finding(self, case, options: dict) -> Finding | None:
-        lengths, world_size = list(case[0]), case[1]
-        chosen = self._options(options)
+    def case_problems(self, lengths, world_size, chosen):
         bounds = packed_cu_seqlens(lengths, world_size, chosen["padding"])
         outputs = call_outputs(self.function, bounds, chosen["causal"], world_size)
         found = span_problems(outputs, lengths, world_size, chosen["causal"], chosen["padding"])
-        if not found:
-            return None
-        level, what = max(found, key=lambda f: f[0])  # the first of the worst
-        return Finding(
-            {"lengths": lengths, "world_size": world_size},
-            tuple(sorted(chosen.items())),
-            Impact(level),
-            f"{_case_text(lengths, world_size, chosen['padding'])}: {what}",
-        )
+        return bounds, found
 
-    def broken_copy(self, part: str = "function") -> PrepareChecked:
-        if part != "function":
-            raise UpstreamUnavailable(f"{self.label} has no {part} to break")
-        broken = layouts.mutated_copy(
+    def broken_module(self):
+        return layouts.mutated_copy(
             self.module, (FUNCTION,), FUNCTION, CONTROL_LINE, CONTROL_LINE + " + 1", self.label
         )
-        return PrepareChecked(
-            self.library, self.version, self.name, self.distribution, self.file,
-            dict(self.drawn), dict(self.skipped), self.notes, broken,
-        )  # fmt: skip
 
-    def reproducer(self, finding: Finding) -> str:
-        body = _REPRODUCER_BODY.replace("MODEL_SOURCE", _MODEL_SOURCE)
-        return reproducer_source(
-            f"{self.label}: the attention spans its outputs give flash-attn's varlen kernel",
-            finding,
-            body,
-            self.distribution,
-            self.version,
-        )
+    def shipped_constants(self) -> dict:
+        return {"FILE": FILE, "FUNCTION": FUNCTION}
 
     def truth_outputs(self, finding: Finding):
-        options = self._options(dict(finding.options))
+        options = self.chosen_options(dict(finding.options))
         case = finding.case
         return reference_outputs(
             case["lengths"], case["world_size"], options["causal"], options["padding"]
         )
 
 
-class PrepareTarget(CheckTarget):
-    name = FUNCTION
-    file = FILE
-
-    def load(self, library: str, distribution: str, version: str | None) -> PrepareChecked:
-        path, version = source_file(distribution, version, FILE)
-        package = f"recipe_upstream_{library}_{version}".replace(".", "_").replace("-", "_")
-        stubs = {
-            "flash_attn": {},
-            "flash_attn.flash_attn_interface": {},
-            package: {},
-            f"{package}.utils": {},
-        }
-        module = load_module(path, f"{package}.llama3_flash_attn_varlen", stubs)
-        label = f"{library}@{version} {FUNCTION}"
-        if not callable(getattr(module, FUNCTION, None)):
-            raise UpstreamUnavailable(f"{library}@{version} has no {FUNCTION} in {FILE}")
-        drawn, skipped = signature_options(getattr(module, FUNCTION), label)
-        notes = (
-            "each case calls every rank of the world size; the spans are those flash-attn's "
-            "varlen kernel computes from the outputs (bottom-right causal alignment)",
-            "padding: last_sequence = OpenRLHF's (the stream's padding joins the last sequence); "
-            "own_sequence = a padding sequence of its own",
-        )
-        return PrepareChecked(
-            library, version, FUNCTION, distribution, FILE, drawn, skipped, notes, module
-        )
+def load_release(path, library: str, version: str):
+    package = f"recipe_upstream_{library}_{version}".replace(".", "_").replace("-", "_")
+    return load_module(path, f"{package}.llama3_flash_attn_varlen", prepare_stubs(package))
 
 
-LIBRARY = Library("ring-flash-attn", (PrepareTarget(),), releases=("0.1.8",))
+TARGET = ModuleTarget(FUNCTION, FILE, PrepareChecked, NOTES, load_release, signature_options)
+LIBRARY = Library("ring-flash-attn", (TARGET,), releases=("0.1.8",))
