@@ -1,6 +1,6 @@
 """NeMo Automodel 0.7.0's THD packer and MTP shift, read from the PyPI wheel
-(`recipe/checks/upstream/libraries/nemo_automodel.py`, truth in
-`recipe/checks/upstream/libraries/nemo_automodel_truth.py`).
+(`recipe/checks/upstream/libraries/nemo_automodel/`, truth in its `packer_truth.py` and
+`mtp_truth.py`).
 
 What the checker finds, pinned by direct calls of the released functions (line numbers are in
 the wheel):
@@ -36,10 +36,9 @@ import sys
 import pytest
 import torch
 
-from recipe.checks.upstream.libraries import nemo_automodel_truth as truth
-from recipe.checks.upstream.libraries.nemo_automodel import (
+from recipe.checks.upstream.libraries.nemo_automodel import LIBRARY, mtp_truth, packer_truth
+from recipe.checks.upstream.libraries.nemo_automodel.targets import (
     DISTRIBUTION,
-    LIBRARY,
     MTP_SHIFT,
     PACK_DATASET,
     check_signature,
@@ -79,7 +78,7 @@ def _search(checked, cases: int, options=None, impact: Impact | None = None):
 
 
 def _pack(packer, lengths, size, cp, **options):
-    dataset = packer.module.Dataset.from_list(truth.documents(lengths))
+    dataset = packer.module.Dataset.from_list(packer_truth.documents(lengths))
     return packer.module.pack_dataset(dataset, None, size, cp_size=cp, **options).to_dict()
 
 
@@ -147,7 +146,7 @@ def test_sizes_aligned_to_2cp_pack_right_and_unaligned_raises_are_refusals(packe
                     {"drop_long_samples": False}, {"input_form": "list"}):  # fmt: skip
         assert packer.finding({"lengths": [5, 7, 30], "cp": 2, "pack_size": 24}, options) is None
     # [9] at cp=2 pads to 12 > 10: the release raises IndexError, the truth refuses size 10 too
-    outputs = truth.call_packer(packer.module, "pack_dataset", {"lengths": [9], "cp": 2,
+    outputs = packer_truth.call_packer(packer.module, "pack_dataset", {"lengths": [9], "cp": 2,
                                 "pack_size": 10}, {})  # fmt: skip
     assert outputs["raised"].startswith("IndexError")
     assert packer.finding({"lengths": [9], "cp": 2, "pack_size": 10}, {}) is None
@@ -279,14 +278,14 @@ def test_the_mtp_truth_passes_its_own_problems(mtp):
     for options in ({}, {"num_depths": 3, "rows": 2, "positions": "mrope", "ignore_index": -1},
                     {"boundaries": "_packed_seq_ids", "positions": "none"}):  # fmt: skip
         case = {"lengths": [5, 1, 8], "cp": 2}
-        assert truth.mtp_problems(case, options, truth.truth_mtp(case, options)) == []
+        assert mtp_truth.mtp_problems(case, options, mtp_truth.truth_mtp(case, options)) == []
 
 
 def test_the_truths_zigzag_is_the_recipes():
-    layout = truth.mtp_layout({"lengths": [5, 1, 17], "cp": 4}, {})
+    layout = mtp_truth.mtp_layout({"lengths": [5, 1, 17], "cp": 4}, {})
     spans = [span for _, _, span in layout["rows"][0]]
     cu = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()], dtype=torch.int32)
-    places = truth.zigzag_places(layout, 4)
+    places = mtp_truth.zigzag_places(layout, 4)
     for rank in range(4):
         mine = sorted((slot, t) for (_, t), (r, slot) in places.items() if r == rank)
         assert [t for _, t in mine] == zigzag_index(cu, 4, rank).tolist()

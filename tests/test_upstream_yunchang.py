@@ -1,5 +1,5 @@
 """yunchang 0.6.4's sequence-parallel shard functions (recipe/checks/upstream/libraries/
-yunchang.py), read from its PyPI wheel: `zigzag_extract_local`, `stripe_extract_local`,
+yunchang/), read from its PyPI wheel: `zigzag_extract_local`, `stripe_extract_local`,
 `basic_extract_local` in yunchang/comm/extract_local.py, with the groups of
 `set_seq_parallel_pg` (yunchang/globals.py).
 
@@ -23,6 +23,7 @@ import torch
 
 from recipe.checks.search import search
 from recipe.checks.upstream.libraries import yunchang
+from recipe.checks.upstream.libraries.yunchang import ranks, targets, truth
 from recipe.parallel.cp.contract import Impact
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 
@@ -75,7 +76,7 @@ def test_the_truth_lays_out_each_ring_layout_by_hand():
     a ring rank's positions are cut in two, in order, among its ulysses ranks."""
 
     def positions(layout, low=True):
-        shards = yunchang.truth_outputs(layout, _case(8, 2, 2), {"use_ulysses_low": low})
+        shards = truth.truth_outputs(layout, _case(8, 2, 2), {"use_ulysses_low": low})
         return [[token - 1 for token in shard["ids"]] for shard in shards]
 
     assert positions("basic") == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -84,21 +85,21 @@ def test_the_truth_lays_out_each_ring_layout_by_hand():
     # ring-low ranks (g = 2 * ulysses rank + ring rank): ranks 1 and 2 trade shards
     assert positions("basic", low=False) == [[0, 1], [4, 5], [2, 3], [6, 7]]
     # a length the layout cannot split: padded at its tail (0 = padding, -1 here)
-    shards = yunchang.truth_outputs("basic", _case(3, 2, 1), {})
+    shards = truth.truth_outputs("basic", _case(3, 2, 1), {})
     assert [s["ids"] for s in shards] == [[1, 2], [3, 0]]
-    assert yunchang.layout_unit("zigzag", 2, 3) == 12 and yunchang.layout_unit("zigzag", 1, 3) == 3
+    assert truth.layout_unit("zigzag", 2, 3) == 12 and truth.layout_unit("zigzag", 1, 3) == 3
 
 
 def _fake_release(tmp_path, monkeypatch, extract_signature, pg_signature):
     """A release whose functions have these signatures (no wheel: source_file is faked)."""
     extract = tmp_path / "extract_local.py"
-    body = "\n".join(f"def {name}({extract_signature}):\n    pass\n" for name in yunchang.LAYOUTS)
+    body = "\n".join(f"def {name}({extract_signature}):\n    pass\n" for name in targets.LAYOUTS)
     extract.write_text(body)
     groups = tmp_path / "globals.py"
     groups.write_text(f"PROCESS_GROUP = None\ndef set_seq_parallel_pg({pg_signature}):\n    pass\n")
-    files = {yunchang.EXTRACT_FILE: extract, yunchang.GLOBALS_FILE: groups}
+    files = {targets.EXTRACT_FILE: extract, targets.GLOBALS_FILE: groups}
     monkeypatch.setattr(
-        "recipe.checks.upstream.libraries.yunchang.source_file",
+        "recipe.checks.upstream.libraries.yunchang.targets.source_file",
         lambda dist, version, rel: (files[rel], "9.9"),
     )
 
@@ -119,7 +120,7 @@ def test_an_option_the_checker_does_not_know_stops_the_check(
     """A new option of the functions or of set_seq_parallel_pg may change the layout."""
     _fake_release(tmp_path, monkeypatch, extract_signature, pg_signature)
     with pytest.raises(UpstreamUnavailable, match=f"option the checker does not know: {unknown}"):
-        yunchang.ExtractTarget(ZIGZAG).load("yunchang", "yunchang", "9.9")
+        targets.ExtractTarget(ZIGZAG).load("yunchang", "yunchang", "9.9")
 
 
 # The release.
@@ -128,9 +129,9 @@ def test_an_option_the_checker_does_not_know_stops_the_check(
 def _play(checked, rank, ring, ulysses, low=True):
     """Rank `rank` of a ring x ulysses group for the released module, as the checker plays it:
     the release's set_seq_parallel_pg builds the groups; returns its PROCESS_GROUP."""
-    checked.groups.torch = yunchang.GroupMaker()
+    checked.groups.torch = ranks.GroupMaker()
     checked.groups.set_seq_parallel_pg(ulysses, ring, rank, ring * ulysses, use_ulysses_low=low)
-    checked.module.dist = yunchang.DistOfRank(rank)
+    checked.module.dist = ranks.DistOfRank(rank)
     return checked.groups.PROCESS_GROUP
 
 
@@ -147,11 +148,11 @@ def test_what_is_drawn_and_fixed(released):
 def test_the_releases_groups_are_the_ones_the_truth_assumes(released, low):
     """set_seq_parallel_pg (globals.py:22-81) with its own loops: the stand-in new_group records
     each group's ranks, and every rank's (ring, ulysses) ranks match the truth's model."""
-    for ring, ulysses in yunchang.DEGREES:
+    for ring, ulysses in targets.DEGREES:
         for rank in range(ring * ulysses):
             made = _play(released[ZIGZAG], rank, ring, ulysses, low)
             got = (made.RING_PG.ranks.index(rank), made.ULYSSES_PG.ranks.index(rank))
-            assert got == yunchang.group_ranks(rank, ring, ulysses, low)
+            assert got == truth.group_ranks(rank, ring, ulysses, low)
 
 
 @wheel_needed

@@ -1,61 +1,11 @@
-"""NeMo Automodel (PyPI `nemo-automodel`): its THD packer and its MTP shift before CP, read from
-the released wheel by path and checked against the ground truth of `nemo_automodel_truth.py`.
-
-Neither function is a per-rank CP function, so neither fits the zigzag contract: each has its own
-reference, written without the library (`nemo_automodel_truth.py`, which every reproducer embeds).
-
-`pack_dataset` (`nemo_automodel/components/datasets/llm/packed_sequence.py`) packs tokenized
-samples into fixed-length rows for the THD path (`ThdPackingConfig.build` in
-`components/datasets/loader.py` calls it with the CP size; `packed_sequence_thd_collater` stacks the
-rows). Its samples' `labels` are already shifted (the dataset's convention: the label of position
-p is the next token), so the truth is that each sample's labels travel with its tokens, -100 where
-the sample's `loss_mask` is 0. A case is (lengths, cp 1/2/4/8, pack size); the pack size is drawn
-both aligned to 2*cp and not, since the function takes any size. The truth refuses a pack size
-that is not a multiple of lcm(2*cp, pad_to_multiple_of): fixed-length packs could not keep every
-span a multiple of 2*cp. A release that raises there is right; one that packs is judged against
-the packing a correct packer would build if it went on.
-- drawn: `max_packs` (None, 1, 2, 3), `padding_idx` (0, or an id no token or label has: a padding
-  slot is told by its token id), `drop_long_samples`, `pad_to_multiple_of` (1, 2, 3, 8; the
-  function refuses a pack size it does not divide, and so does the truth); and two options of the
-  input: `input_form` (an HF `datasets.Dataset`, what the loader passes, or a list of dicts, which
-  the signature also accepts) and `loss_mask` (samples with a `loss_mask` column, 0 on their first
-  third, or none).
-- fixed: `split` = None (it only picks an entry of a `DatasetDict`; the case is a `Dataset`);
-  `dataset`, `packed_sequence_size` and `cp_size` are the case.
-- stubs: none. The file imports torch and `datasets` (installed here; `Dataset.from_dict` builds
-  its result) and nothing else.
-
-`prepare_mtp_context_parallel_inputs` (`nemo_automodel/components/models/common/mtp/mtp.py`)
-shifts each MTP depth's token ids, positions, targets and valid masks on the unsharded batch; the
-recipes then shard every result with the CP sharder (`recipes/llm/train_ft.py`,
-`_forward_backward_step`). A case is (lengths, cp 2/4/8): the documents packed as
-`pack_dataset` packs them (each padded to a multiple of 2*cp, a row's last document absorbing
-the row's tail), labels the next token, padding labels the ignore index. The truth is checked on
-every slot, named by its rank and local slot in the zigzag split the THD sharder applies.
-- drawn: `num_depths` (1-4; it has no default: the default mode uses 1, DeepSeek-V3's one
-  MTP module), `ignore_index` (-100, -1; the batch's padding labels use it too, as the loss's own
-  ignore index must); and options of the batch: `rows` (1 or 2 packs stacked), `boundaries` (how
-  the batch says where documents are: `seq_lens_padded` [rows, documents] with -1000 sentinels,
-  as `packed_sequence_thd_collater` makes it; `cu_seqlens_padded`, one row; `seq_idx`, a span id
-  per slot; `_packed_seq_ids`, NEAT's document ids with 0 on padding) and `positions` (per row, as
-  the collater gives them; shared [1, S]; M-RoPE [3, rows, S]; or none, which the function
-  materializes as 0..S-1 for the main model and MTP alike).
-- fixed: `batch` is the case. Real offsets (`cu_seqlens`) are not drawn: they describe an
-  unpadded stream only, and the function refuses them on a padded one (a documented ValueError),
-  while a CP stream is padded.
-- stubs: none (the file imports only torch).
-
-Negative controls (one line of the release's own source, mutated): the packer pads each sample
-one token more than the span `_pad_pack` records (`cp_padding_amount + 1`); the MTP shift compares
-each slot's document id with that of the slot `depth - 1` ahead instead of `depth` ahead
-(`torch.roll(seq_idx, shifts=-depth + 1, ...)`), so a target crosses into the next document.
+"""The checked targets: NeMo Automodel's packer and MTP shift of one release, loaded by path,
+their options (drawn, fixed, or a refusal), their negative controls and their reproducers.
 """
 
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
-import inspect
 import sys
 import types
 from dataclasses import dataclass, field
@@ -65,11 +15,21 @@ from recipe.checks.upstream.kit.checked import (
     Checked,
     CheckTarget,
     Finding,
-    Library,
     function_line,
     reproducer_source,
 )
-from recipe.checks.upstream.libraries import nemo_automodel_truth as truth
+from recipe.checks.upstream.libraries.nemo_automodel.mtp_truth import (
+    call_mtp,
+    mtp_problems,
+    truth_mtp,
+)
+from recipe.checks.upstream.libraries.nemo_automodel.packer_truth import (
+    FAR_PADDING_ID,
+    call_packer,
+    pack_problems,
+    truth_packs,
+)
+from recipe.checks.upstream.libraries.nemo_automodel.reproducer import mtp_script, packer_script
 from recipe.parallel.cp.contract import Impact
 from recipe.upstream.releases import partition_options
 from recipe.upstream.source import UpstreamUnavailable, source_file
@@ -80,7 +40,7 @@ MTP_FILE = "nemo_automodel/components/models/common/mtp/mtp.py"
 
 PACKER_DRAWN = {
     "max_packs": (None, 1, 2, 3),
-    "padding_idx": (0, truth.FAR_PADDING_ID),
+    "padding_idx": (0, FAR_PADDING_ID),
     "drop_long_samples": (True, False),
     "pad_to_multiple_of": (1, 2, 3, 8),
 }
@@ -141,23 +101,6 @@ def load_registered(path, name: str) -> types.ModuleType:
     return module
 
 
-# The reproducer's loader: the prelude's load_from_wheel, with the module registered while it runs
-# (see load_registered); the released files need no stubs.
-_REPRODUCER_LOADER = """
-
-def load_release(wheel, relative):
-    folder = Path(tempfile.mkdtemp(prefix="repro-src-"))
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extract(relative, folder)
-    name = "released_" + Path(relative).stem
-    loader = importlib.machinery.SourceFileLoader(name, str(folder / relative))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
-    sys.modules[name] = module
-    loader.exec_module(module)
-    return module
-"""
-
-
 def _lengths(draw, unit: int, min_length: int, max_sequences: int = 12, max_length: int = 400):
     """Lengths as `contract.micro_batches` draws them: 1, below the zigzag unit, k*unit-1,
     k*unit, k*unit+1, or any up to max_length."""
@@ -202,20 +145,7 @@ class _Released(Checked):
         impact, what = max(problems, key=lambda p: p[0])  # the first of the worst class
         return Finding(case, tuple(sorted(options.items())), Impact(impact), f"{head}: {what}")
 
-    def _reproducer(self, finding: Finding, title: str, call: str, check: str) -> str:
-        body = (
-            inspect.getsource(truth)
-            + _REPRODUCER_LOADER
-            + f"\n\nRELATIVE = {self.file!r}\nFUNCTION = {self.function_name!r}\n\n\n"
-            "def release_outputs(wheel):\n"
-            "    module = load_release(wheel, RELATIVE)\n"
-            f"    return {call}(module, FUNCTION, CASE, OPTIONS)\n\n\n"
-            "def problems(outputs):\n"
-            f"    found = sorted({check}(CASE, OPTIONS, outputs), key=lambda p: -p[0])\n"
-            '    names = {1: "padding only", 2: "raises", 3: "real tokens misplaced", '
-            '4: "real tokens lost"}\n'
-            '    return [f"[{names[impact]}] {what}" for impact, what in found]\n'
-        )
+    def _reproducer(self, finding: Finding, title: str, body: str) -> str:
         return reproducer_source(title, finding, body, self.distribution, self.version)
 
 
@@ -244,8 +174,8 @@ class PackDatasetChecked(_Released):
 
     def finding(self, case, options: dict) -> Finding | None:
         case = dict(case)
-        outputs = truth.call_packer(self.module, self.function_name, case, options)
-        problems = truth.pack_problems(case, options, outputs)
+        outputs = call_packer(self.module, self.function_name, case, options)
+        problems = pack_problems(case, options, outputs)
         head = f"lengths={case['lengths']} cp={case['cp']} pack_size={case['pack_size']}"
         return self._finding(case, options, problems, head)
 
@@ -262,10 +192,10 @@ class PackDatasetChecked(_Released):
             f"NeMo Automodel {self.version} {self.function_name} ({self.file}:{self.line}) on "
             "one case (the released file imports `datasets`: needs it besides torch)"
         )
-        return self._reproducer(finding, title, "call_packer", "pack_problems")
+        return self._reproducer(finding, title, packer_script(self.file, self.function_name))
 
     def truth_outputs(self, finding: Finding):
-        return truth.truth_packs(finding.case, dict(finding.options))
+        return truth_packs(finding.case, dict(finding.options))
 
 
 @dataclass
@@ -282,8 +212,8 @@ class MTPShiftChecked(_Released):
 
     def finding(self, case, options: dict) -> Finding | None:
         case = dict(case)
-        outputs = truth.call_mtp(self.module, self.function_name, case, options)
-        problems = truth.mtp_problems(case, options, outputs)
+        outputs = call_mtp(self.module, self.function_name, case, options)
+        problems = mtp_problems(case, options, outputs)
         return self._finding(case, options, problems, f"lengths={case['lengths']} cp={case['cp']}")
 
     def broken_copy(self, part: str = "function") -> MTPShiftChecked:
@@ -296,10 +226,10 @@ class MTPShiftChecked(_Released):
 
     def reproducer(self, finding: Finding) -> str:
         title = f"NeMo Automodel {self.version} {self.function_name} ({self.file}:{self.line})"
-        return self._reproducer(finding, title, "call_mtp", "mtp_problems")
+        return self._reproducer(finding, title, mtp_script(self.file, self.function_name))
 
     def truth_outputs(self, finding: Finding):
-        return truth.truth_mtp(finding.case, dict(finding.options))
+        return truth_mtp(finding.case, dict(finding.options))
 
 
 @dataclass(frozen=True)
@@ -350,5 +280,3 @@ MTP_SHIFT = _Target(
         "document, never across one, on every rank of the zigzag split",
     ),
 )
-
-LIBRARY = Library(DISTRIBUTION, (PACK_DATASET, MTP_SHIFT), releases=("0.7.0",))
