@@ -33,6 +33,7 @@ from recipe.checks.search import search
 from recipe.checks.upstream.kit.checked import Finding
 from recipe.checks.upstream.kit.released import load
 from recipe.checks.upstream.libraries import megatron_bridge as bridge_families
+from recipe.checks.upstream.libraries.megatron_bridge import targets as bridge_targets
 from recipe.parallel.cp.contract import Impact, micro_batches
 from recipe.upstream.releases import LIBRARIES
 from recipe.upstream.source import UpstreamUnavailable, cache_root
@@ -192,7 +193,7 @@ def test_the_other_reproducers_pass_and_judge_like_the_ground_truth(tmp_path, re
 
 
 def test_an_unknown_option_refuses(monkeypatch):
-    real = bridge_families.load_module
+    real = bridge_targets.load_module
 
     def load_module(*args, **kwargs):
         module = real(*args, **kwargs)
@@ -204,7 +205,7 @@ def test_an_unknown_option_refuses(monkeypatch):
             module._split_on_cp_rank = _split_on_cp_rank
         return module
 
-    monkeypatch.setattr(bridge_families, "load_module", load_module)
+    monkeypatch.setattr(bridge_targets, "load_module", load_module)
     with pytest.raises(UpstreamUnavailable, match="option the checker does not know: 'layout'"):
         KIMI.load("megatron-bridge", "megatron-bridge", VERSION)
 
