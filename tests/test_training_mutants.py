@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hydra_plugins.recipe_launchers.catalogue_sweeper import catalogue_job, fork_late_onsets
+from hydra_plugins.recipe_launchers.catalogue_sweeper import (
+    catalogue_job,
+    fork_late_onsets,
+    raise_correct_run_failures,
+)
 from recipe.config import ConfigError, TrainConfig
 from recipe.config.groups import CompareConfig, MutantConfig
 from recipe.data.packing import pack_sequences
@@ -126,6 +130,43 @@ def test_a_late_mutant_resumes_from_its_cps_correct_run_at_the_step_before_its_o
     assert fork_late_onsets(jobs[:4], Path("sweep"), 500) == jobs[:4], "no late onset"
 
 
+def test_a_crashed_mutant_job_is_a_catch_and_a_crashed_correct_run_fails_the_sweep(tmp_path):
+    """local_arange_positions indexes the learned position table past its end and its job
+    crashes: the score counts it caught and the sweep goes on; a correct run's crash is raised."""
+    import yaml
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from recipe.compare.report import MUTATION_FILE, write_report
+    from recipe.compare.runs import find_runs
+
+    for name, cp, mutant in (
+        ("0", 1, "none"),
+        ("1", 2, "local_arange_positions"),
+        ("2", 2, "none"),
+    ):
+        run = tmp_path / name
+        (run / ".hydra").mkdir(parents=True)
+        config = {"cp": {"size": cp, "preprocess": "index"}, "parallel": {"dp": 1, "tp": 1},
+                  "mutant": {"name": mutant, "onset": 1}, "output_dir": str(run)}  # fmt: skip
+        (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+        steps = 2 if mutant != "none" else 4  # the mutant's records end where it crashed
+        rows = [{"step": s, "lm_loss": 5.0 / s, "grad_norm": 1.0} for s in range(1, steps + 1)]
+        (run / "metrics.jsonl").write_text("".join(f"{r}\n".replace("'", '"') for r in rows))
+    crash = [("1", "IndexError: index out of range in self")]
+    _, passed = write_report(find_runs([tmp_path]), tmp_path, 1e-5, failures=crash)
+    score = (tmp_path / MUTATION_FILE).read_text()
+    assert "| 1 | local_arange_positions | 2 | 1 | job failed | IndexError" in score
+    assert score.strip().splitlines()[-1] == "training mutation score: 1/1 caught"
+    assert "| 2 | none | 2 | 1 |" in score and "PASS (correct run)" in score
+
+    mutant, correct = ["mutant.name=local_arange_positions", "cp=2"], ["mutant.name=none", "cp=2"]
+    failed = JobReturn(status=JobStatus.FAILED, _return_value=IndexError("past the table"))
+    done = JobReturn(status=JobStatus.COMPLETED, _return_value=None)
+    raise_correct_run_failures([mutant, correct], [failed, done])  # the sweep goes on
+    with pytest.raises(IndexError, match="past the table"):
+        raise_correct_run_failures([correct], [failed])
+
+
 @pytest.mark.launches
 def test_a_bug_that_starts_late_fails_at_an_anchor_however_wide_the_floor(tmp_path):
     """A 24-step catalogue slice whose floor is widened a million times (as a long run's is):
@@ -136,7 +177,7 @@ def test_a_bug_that_starts_late_fails_at_an_anchor_however_wide_the_floor(tmp_pa
     done = run_train_cli(
         [
             "experiment=training_mutants",
-            "mutant.name=none,rank_local_loss,local_arange_positions",
+            "mutant.name=none,rank_local_loss",
             "cp='1','2'",
             "mutant.onset=21",
             "trainer.max_steps=24",
@@ -150,10 +191,7 @@ def test_a_bug_that_starts_late_fails_at_an_anchor_however_wide_the_floor(tmp_pa
     )
     score = (sweep / "mutation_report.md").read_text()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    # local_arange_positions indexes the learned position table past its end: the job crashes,
-    # which is a catch, and the sweep still exits 0
-    assert score.strip().splitlines()[-1] == "training mutation score: 2/2 caught"
-    assert "| local_arange_positions | 2 | 21 | job failed |" in score
+    assert score.strip().splitlines()[-1] == "training mutation score: 1/1 caught"
     assert "training mutation score (every mutant caught)" in done.stdout
     assert "parity report (every mutant caught)" in done.stdout  # not "all PASS": a FAIL is in it
     assert "| rank_local_loss | 2 | 21 | anchor 20 (grad_norm) |" in score

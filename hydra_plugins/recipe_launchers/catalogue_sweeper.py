@@ -95,13 +95,23 @@ def fork_late_onsets(jobs: list[list[str]], sweep_dir: Path, max_steps: int) -> 
     return forked
 
 
+def raise_correct_run_failures(batch: list[list[str]], results) -> None:
+    """Raise the error of a correct run (`mutant.name=none`) that failed; a mutant job that
+    failed is a catch, which the report counts, so it does not end the sweep."""
+    from hydra.core.utils import JobStatus
+
+    for overrides, result in zip(batch, results, strict=True):
+        if result.status == JobStatus.FAILED and _job(overrides)[0] != "none":
+            continue
+        _ = result.return_value  # a failed job's return_value raises its error
+
+
 class CatalogueSweeper(BasicSweeper):
     def sweep(self, arguments):
         """The basic sweeper's loop, except that a mutant job that failed (a crash is a catch,
         which the report counts) does not fail the sweep: its exit follows the score and the
         correct runs (the report's callback), a correct run's own failure still raises."""
         from hydra.core.override_parser.overrides_parser import OverridesParser
-        from hydra.core.utils import JobStatus
         from omegaconf import OmegaConf
 
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
@@ -114,10 +124,7 @@ class CatalogueSweeper(BasicSweeper):
         for batch in self.overrides:
             self.validate_batch_is_legal(batch)
             results = self.launcher.launch(batch, initial_job_idx=first)
-            for overrides, result in zip(batch, results):
-                if result.status == JobStatus.FAILED and _job(overrides)[0] != "none":
-                    continue
-                _ = result.return_value  # a correct run that failed raises its error here
+            raise_correct_run_failures(batch, results)
             first += len(batch)
             returns.append(results)
         return returns
