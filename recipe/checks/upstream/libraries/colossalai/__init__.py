@@ -46,6 +46,9 @@ Impact: a real token on no rank -> lost; a wrong position, label or loss weight,
 label but -100, or mask_info not describing the slots -> misplaced; a raise -> raises.
 Negative control (one line each): the back chunk taken as chunk sp+r, not 2*sp-1-r (attn.py:1230,
 utils.py:371, utils.py:455), flagged on cases the release passes.
+
+Calling the release, and what contract.assess does not see (`rank_outputs`, `row_problems`), is
+`shipped.py`: real code the checker calls and each reproducer carries (`inspect.getsource`).
 """
 
 from __future__ import annotations
@@ -61,12 +64,19 @@ import torch
 
 from recipe.checks.upstream.kit import checked, layouts
 from recipe.checks.upstream.kit.checked import CheckTarget, ContractChecked, Finding, Library
+from recipe.checks.upstream.libraries.colossalai.shipped import (
+    ATTN,
+    STUBS,
+    UTILS,
+    Dist,
+    rank_outputs,
+    reproducer_body,
+    row_problems,
+    rows_truth,
+)
 from recipe.parallel.cp.contract import LAYOUT_KEY, Impact, micro_batches
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
-UTILS, ATTN = "colossalai/shardformer/layer/utils.py", "colossalai/shardformer/layer/attn.py"
-STUBS = ("colossalai", "colossalai.accelerator", "colossalai.kernel",
-         "colossalai.kernel.kernel_loader", "colossalai.logging", "einops")  # fmt: skip
 FIXED = {
     "varlen": {
         "padding_mask": "1 on each row's padded length (a multiple of 2*sp), right padding",
@@ -108,103 +118,9 @@ NOTES = {
 }
 
 
-# ---- Calling the release; what contract.assess does not see. The reproducer carries this source.
-
-
-class Dist:
-    """torch.distributed as the released files call it, the group a (size, rank) stand-in."""
-
-    get_world_size = staticmethod(lambda group=None: group[0])
-    get_rank = staticmethod(lambda group=None: group[1])
-
-
-def rank_outputs(kind, function, sequences, padded, cp, rank, options):
-    """One rank's output of `function` as `kind`'s caller gets it, JSON-able: the contract's
-    fields in its local order, their layout, and for "varlen" the local padding's labels and
-    mask_info. `padded`: each sequence's padded length."""
-    import torch
-
-    group, n, top = (cp, rank), len(sequences), max(padded)
-    bounds = [sum(padded[:i]) for i in range(n + 1)]
-    if kind == "packed":
-        rolled = not options.get("is_label", True)
-        stream, positions, labels = [], [], []
-        for s, p in zip(sequences, padded):
-            stream += list(s) + [0] * (p - len(s))
-            positions += list(range(p))
-            labels += list(s[rolled:]) + [-100] * (p - len(s) + rolled)
-        cu = torch.tensor(bounds, dtype=torch.int32)
-        tokens, positions = function([torch.tensor(stream), torch.tensor(positions)], cu, group)
-        labels = function(torch.tensor(labels), cu, group, is_label=not rolled)
-        fields = {"input_ids": tokens, "position_ids": positions, "labels": labels}
-        return _flat(fields, range(len(tokens)), bounds)
-    width = top + options.get("extra_columns", 0)
-    ids, mask = torch.zeros(n, width, dtype=torch.int64), torch.zeros(n, width, dtype=torch.int64)
-    labels = torch.full((n, width), -100)
-    for j, (s, p) in enumerate(zip(sequences, padded)):
-        ids[j, : len(s)] = labels[j, : len(s)] = torch.tensor(s, dtype=torch.int64)
-        mask[j, : p if kind == "varlen" else width] = 1
-    hidden, positions = ids[..., None].double(), torch.arange(width)[None]
-    if options.get("position_ids", "shared") == "per_row":
-        positions = positions.repeat(n, 1)
-    if kind == "varlen":
-        hidden, info, positions = function(mask, group, hidden, positions)
-        labels = function(mask, group, labels, is_label=True)[0]
-    else:
-        hidden, positions = function([hidden, positions], group)
-        labels = function(labels, group, seq_dim=1, is_label=True)
-    local = hidden.shape[1]
-    fields = {"input_ids": hidden[..., 0], "position_ids": positions.expand(n, local),
-              "labels": labels}  # fmt: skip
-    if kind == "rows":
-        return _flat(fields, range(n * local), [j * width for j in range(n + 1)])
-    out = _flat(fields, [j * local + s for j in range(n) for s in range(padded[j] // cp)], bounds)
-    out["rows"] = {"padding_labels": [labels[j, padded[j] // cp :].tolist() for j in range(n)],
-                   "cu_seqlens": info["cu_seqlens"].tolist(), "width": local,
-                   "valid_indices": info["valid_indices"].tolist()}  # fmt: skip
-    return out
-
-
-def _flat(fields, keep, layout):
-    flat = {k: [int(v) for v in t.reshape(-1).tolist()] for k, t in fields.items()}
-    flat = {k: [v[i] for i in keep] for k, v in flat.items()}
-    flat["loss_mask"] = [int(v != -100) for v in flat["labels"]]
-    return {"fields": flat, "cu_seqlens_padded": layout}
-
-
-def rows_truth(padded, cp, width):
-    """What right "varlen" rows of `width` local slots hold besides the contract's slots."""
-    local = [p // cp for p in padded]
-    valid = [j * width + s for j, n in enumerate(local) for s in range(n)]
-    cu = [sum(local[:i]) for i in range(len(local) + 1)]
-    pad = [[-100] * (width - n) for n in local]
-    return {"padding_labels": pad, "width": width, "cu_seqlens": cu, "valid_indices": valid}
-
-
-def row_problems(out, padded, cp):
-    """(impact level, message) of one rank's "varlen" rows against `rows_truth`: 3 = a local
-    padding slot has a label but -100 (dist_cross_entropy trains it, loss.py:213-217), or
-    mask_info does not describe the rows' slots (ring attention unpads with it, attn.py:587)."""
-    got, found = out.get("rows"), []
-    want = rows_truth(padded, cp, got["width"]) if got else {}
-    for j, labels in enumerate(got["padding_labels"] if got else []):
-        k = next((k for k, v in enumerate(labels) if v != -100), None)
-        if k is not None:
-            where = f"row {j}, local slot {padded[j] // cp + k} (padding past sequence {j}'s "
-            found.append((3, f"{where}{padded[j] // cp} slots): label {labels[k]}, not -100: "
-                          "dist_cross_entropy trains it and counts it"))  # fmt: skip
-    for key in ("cu_seqlens", "valid_indices") if got else ():
-        if got[key] != want[key]:
-            found.append((3, f"mask_info {key} {got[key][:12]}, expected {want[key][:12]}"))
-    return found
-
-
-SHARED = "\n\n".join(map(inspect.getsource, (Dist, rank_outputs, _flat, rows_truth, row_problems)))
-
-
 @functools.cache
 def load_release(library: str, distribution: str, version: str | None):
-    """(utils, attn, version): both files, loaded with the stubs and stand-ins above."""
+    """(utils, attn, version): both files, loaded with the stubs and stand-ins of shipped.py."""
     utils_path, version = source_file(distribution, version, UTILS)
     attn_path, _ = source_file(distribution, version, ATTN)
     package = f"recipe_upstream_{library}_{version}".replace(".", "_").replace("-", "_")
@@ -228,7 +144,7 @@ def signature_options(function, kind: str, label: str) -> tuple[dict, dict]:
         raise UpstreamUnavailable(
             f"{label}: options the checker does not know: {sorted(params - known)}, gone: "
             f"{sorted(known - params)}. They may change the layout, so the check stops; teach "
-            "recipe/checks/upstream/libraries/colossalai.py what they do"
+            "recipe/checks/upstream/libraries/colossalai/__init__.py what they do"
         )
     return dict(DRAWN[kind]), dict(FIXED[kind])
 
@@ -295,7 +211,7 @@ class ColossalChecked(ContractChecked):
         )  # fmt: skip
 
     def reproducer(self, finding: Finding) -> str:
-        body = f"KIND = {self.kind!r}\n{REPRODUCER_LOADER}\n\n{SHARED}\n{layouts.REFERENCE}\n{TAIL}"
+        body = reproducer_body(self.kind)
         title = f"{self.label}: every rank of one batch ({NOTES[self.kind]})"
         return checked.reproducer_source(title, finding, body, self.distribution, self.version)
 
@@ -306,70 +222,6 @@ class ColossalChecked(ContractChecked):
         padded = [b - a for a, b in zip(cu, cu[1:])]
         rows = {"rows": rows_truth(padded, cp_size, max(padded) // cp_size)}
         return {**truth, "rows": [rows if self.kind == "varlen" else {}] * cp_size}
-
-
-REPRODUCER_LOADER = '''
-STUBS = {key: {} for key in ("colossalai", "colossalai.accelerator", "colossalai.kernel",
-                             "colossalai.kernel.kernel_loader", "colossalai.logging", "einops")}
-ATTN, PACKAGE = "colossalai/shardformer/layer/attn.py", "released_colossalai"
-
-
-def load_released(archive):
-    """utils.py, then attn.py in a stub package whose `utils` has utils.py's names."""
-    utils = load_from_wheel(archive, "colossalai/shardformer/layer/utils.py", STUBS)
-    folder = Path(tempfile.mkdtemp(prefix="repro-src-"))
-    extract(archive, ATTN, folder)
-    names = {k: v for k, v in vars(utils).items() if not k.startswith("__")}
-    stubs = {**STUBS, PACKAGE: {}, PACKAGE + ".utils": names}
-    saved = {key: sys.modules.get(key) for key in stubs}
-    for key, attributes in stubs.items():
-        sys.modules[key] = module = Placeholder(key)
-        module.__path__ = []
-        vars(module).update(attributes)
-    try:
-        loader = importlib.machinery.SourceFileLoader(PACKAGE + ".attn", str(folder / ATTN))
-        attn = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
-        loader.exec_module(attn)
-    finally:
-        for key in stubs:
-            sys.modules.pop(key, None)
-        sys.modules.update({key: before for key, before in saved.items() if before is not None})
-    utils.dist = attn.dist = Dist()  # torch.distributed, answering for the group stand-in
-    attn._pad_input = attn._unpad_input = "flash-attn's pad/unpad: not called"
-    return utils, attn
-'''
-
-TAIL = """
-def release_outputs(archive):
-    utils, attn = load_released(archive)
-    function = {"varlen": attn.RingAttention.prepare_varlen_batch,
-                "rows": utils.split_batch_zigzag, "packed": utils.split_varlen_zigzag}[KIND]
-    lengths, cp = CASE["lengths"], CASE["cp"]
-    out = {"lengths": lengths, "cp": cp, "layout": "zigzag", "error": None}
-    try:
-        got = [rank_outputs(KIND, function, _sequences(lengths), _padded(), cp, rank, OPTIONS)
-               for rank in range(cp)]
-        out.update(ranks=[g.pop("fields") for g in got], rows=got,
-                   cu_seqlens_padded=got[0].pop("cu_seqlens_padded"))
-    except Exception as err:
-        out["error"] = f"{type(err).__name__}: {err}"
-    return out
-
-
-def _padded():
-    unit = 2 * CASE["cp"] * CASE["tp"]  # each sequence padded to a multiple of 2*cp*tp
-    return [-(-n // unit) * unit for n in CASE["lengths"]]
-
-
-_layout_problems = problems  # the zigzag reference above
-
-
-def problems(outputs):
-    found = _layout_problems(outputs)
-    for rank, rows in enumerate([] if outputs.get("error") else outputs["rows"]):
-        found += [f"rank {rank}, {m}" for _, m in row_problems(rows, _padded(), outputs["cp"])]
-    return found
-"""
 
 
 class ColossalTarget(CheckTarget):

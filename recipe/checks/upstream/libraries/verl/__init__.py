@@ -37,6 +37,8 @@ package `__init__` imports ray.
 
 0.7.1 has no `preprocess_bshd_engine`: its `preprocess_bshd_no_padding` (0.7.1 `util.py:502`)
 asserts `cp_size == 1`, so there is no CP split to check and `load` refuses with that reason.
+
+The reproducer's code is real, shipped by `inspect.getsource`: `reproducer.py`.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from recipe.checks.upstream.kit.checked import (
     reproducer_source,
 )
 from recipe.checks.upstream.kit.released import released_targets
+from recipe.checks.upstream.libraries.verl.reproducer import reproducer_body
 from recipe.parallel.cp.contract import LAYOUT_KEY, Impact, unique_sequences
 from recipe.parallel.cp.zigzag import zigzag_index
 from recipe.upstream import releases
@@ -66,6 +69,7 @@ FILE = "verl/models/mcore/util.py"
 FUNCTION = "preprocess_bshd_engine"
 INVERSE = "postprocess_bshd_engine"
 OLDER = "preprocess_bshd_no_padding"  # up to 0.7.1, CP refused
+PLUGIN = f"{__name__}.__init__"  # the module an unknown option's refusal names
 STUBS = {
     "verl.utils.device": {"is_npu_available": False},
     "verl.utils.model": {},
@@ -120,7 +124,7 @@ class BshdEngineTarget(CheckTarget):
         if not callable(getattr(module, INVERSE, None)):
             raise UpstreamUnavailable(f"{library}@{version} has no {INVERSE} in {FILE}")
         label = f"{library}@{version} {FUNCTION}"
-        drawn, skipped = releases.partition_options(function, label, __name__, FIXED, DRAWN)
+        drawn, skipped = releases.partition_options(function, label, PLUGIN, FIXED, DRAWN)
         body = inspect.getsource(function).split('"""')[-1]
         if "pre_process" in body:
             raise UpstreamUnavailable(
@@ -298,7 +302,7 @@ class BshdEngineChecked(ContractChecked):
         return reproducer_source(
             f"{self.label}: {FUNCTION} / {INVERSE} on every rank of one micro-batch",
             finding,
-            REPRODUCER_BODY + layouts.REFERENCE,
+            reproducer_body(FILE, STUBS),
             self.distribution,
             self.version,
         )
@@ -315,79 +319,6 @@ def _head(values: torch.Tensor, shown: int = 6) -> str:
     listed = [v.tolist() for v in values[:shown]]
     return f"{listed}{' ...' if len(values) > shown else ''} ({len(values)} tokens)"
 
-
-REPRODUCER_BODY = '''
-FILE = "verl/models/mcore/util.py"
-STUBS = {"verl.utils.device": {"is_npu_available": False}, "verl.utils.model": {}}
-
-
-class Collectives:
-    """torch with all_gather handing back each rank's own tensor of the same name."""
-
-    def __init__(self, torch, per_rank):
-        self.torch, self.per_rank, self.rank = torch, per_rank, 0
-        self.distributed = self
-
-    def all_gather(self, outputs, tensor, group=None):
-        mine = self.per_rank[self.rank]
-        name = next(k for k, v in mine.items() if v.data_ptr() == tensor.data_ptr())
-        for out, ranks in zip(outputs, self.per_rank):
-            out.copy_(ranks[name])
-
-    def __getattr__(self, name):
-        return getattr(self.torch, name)
-
-
-def release_outputs(wheel):
-    import torch
-
-    module = load_from_wheel(wheel, FILE, STUBS)
-    lengths, cp, tp = CASE["lengths"], CASE["cp"], CASE["tp"]
-    width = OPTIONS.get("output_width")
-    kwargs = {}
-    if OPTIONS.get("use_fp8_padding") is not None:
-        kwargs["use_fp8_padding"] = OPTIONS["use_fp8_padding"]
-    if OPTIONS.get("forced_max_seqlen") is not None:  # "longest+K"
-        extra = str(OPTIONS["forced_max_seqlen"]).partition("+")[2]
-        kwargs["forced_max_seqlen"] = max(lengths) + int(extra or 0)
-
-    def nested(rows, dtype):
-        tensors = [torch.tensor(r, dtype=dtype) for r in rows]
-        return torch.nested.as_nested_tensor(tensors, layout=torch.jagged)
-
-    ids = nested(_sequences(lengths), torch.int64)
-    loss_mask = nested([[int(p + 1 < n) for p in range(n)] for n in lengths], torch.int64)
-    values = nested(_values(lengths, width), torch.float64)
-    out = {"lengths": lengths, "cp": cp, "layout": "zigzag", "width": width, "ranks": [],
-           "round_trip": [], "error": None}
-    try:
-        shards = []
-        for rank in range(cp):
-            module.mpu = ParallelStateStandIn(cp, rank, tp)
-            shard = module.preprocess_bshd_engine
-            tokens, mask, positions = shard(ids, pre_process=True, need_roll=False, **kwargs)
-            fields = {
-                "input_ids": tokens,
-                "position_ids": positions,
-                "labels": shard(ids, pre_process=True, need_roll=True, **kwargs)[0],
-                "loss_mask": shard(loss_mask, pre_process=True, need_roll=False, **kwargs)[0],
-                "attention_mask": mask.int(),
-            }
-            out["ranks"].append({k: v.reshape(-1).tolist() for k, v in fields.items()})
-            output = shard(values, pre_process=True, need_roll=False, **kwargs)[0]
-            shards.append({"output": output, "mask": mask})
-        rows_width = tokens.shape[1] * cp  # every row is padded to this length
-        out["cu_seqlens_padded"] = [rows_width * i for i in range(len(lengths) + 1)]
-        module.torch = collectives = Collectives(torch, shards)
-        for rank in range(cp):
-            module.mpu = ParallelStateStandIn(cp, rank, tp)
-            collectives.rank = rank
-            back = module.postprocess_bshd_engine(shards[rank]["output"], shards[rank]["mask"])
-            out["round_trip"].append([t.tolist() for t in back.unbind()])
-    except Exception as err:
-        out["error"] = f"{type(err).__name__}: {err}"
-    return out
-'''
 
 TARGETS = (BshdEngineTarget(),)
 
