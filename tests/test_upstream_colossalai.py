@@ -1,4 +1,4 @@
-"""ColossalAI 0.5.0's ring-attention batch split (recipe/checks/upstream/libraries/colossalai.py),
+"""ColossalAI 0.5.0's ring-attention batch split (recipe/checks/upstream/libraries/colossalai/),
 read from its PyPI sdist (the release has no wheel): `RingAttention.prepare_varlen_batch`
 (colossalai/shardformer/layer/attn.py:1173), `split_batch_zigzag` (layer/utils.py:331) and
 `split_varlen_zigzag` (utils.py:381), called as the Llama shardformer forward calls them.

@@ -1,4 +1,4 @@
-"""verl's BSHD engine path (`recipe/checks/upstream/libraries/verl.py`), loaded from the released
+"""verl's BSHD engine path (`recipe/checks/upstream/libraries/verl/`), loaded from the released
 wheels.
 
 `preprocess_bshd_engine` (0.9.1 `verl/models/mcore/util.py:658`, 0.8.0 `:564`) pads every row of
