@@ -32,7 +32,7 @@ import torch
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.libraries import ms_swift
 from recipe.checks.upstream.libraries.ms_swift import batch as batch_path
-from recipe.checks.upstream.libraries.ms_swift import release
+from recipe.checks.upstream.libraries.ms_swift import release, reproducers
 from recipe.checks.upstream.runner import check_target
 from recipe.parallel.cp.contract import Impact
 from recipe.parallel.cp.zigzag import zigzag_index
@@ -241,7 +241,7 @@ def test_the_te_stand_in_is_the_zigzag_index(cp):
     """TE's partition kernel as transcribed: the recipe's zigzag index, sequence by sequence."""
     cu = torch.tensor([0, 4 * cp, 6 * cp, 12 * cp], dtype=torch.int32)
     for rank in range(cp):
-        got = release.TEPartitionStandIn.thd_get_partitioned_indices(cu, int(cu[-1]), cp, rank)
+        got = reproducers.TEPartitionStandIn.thd_get_partitioned_indices(cu, int(cu[-1]), cp, rank)
         assert got.tolist() == zigzag_index(cu, cp, rank).tolist()
     with pytest.raises(AssertionError, match="the kernel's assert"):
-        release.TEPartitionStandIn.thd_get_partitioned_indices(cu + 1, 40, cp, 0)
+        reproducers.TEPartitionStandIn.thd_get_partitioned_indices(cu + 1, 40, cp, 0)

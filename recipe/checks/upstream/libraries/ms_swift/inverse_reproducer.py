@@ -2,7 +2,7 @@
 as real code shipped by `inspect.getsource` after the kit's prelude and the shared parts of
 `reproducers.py`. The inverses' undo is megatron-core's `_undo_attention_load_balancing`, so the
 ms-swift utils and mcore-bridge scripts need megatron-core; TransformerEngine's partition kernel
-is transcribed (`thd_get_partitioned_indices`)."""
+is played by the checker's own transcription (`reproducers.TEPartitionStandIn`)."""
 
 from __future__ import annotations
 
@@ -14,24 +14,12 @@ from recipe.checks.upstream.kit.prelude import load_from_wheel
 from recipe.checks.upstream.libraries.ms_swift.reproducers import (
     COMMON,
     PackedSeqParams,
+    TEPartitionStandIn,
     logger,
     megatron_stand_in,
     script,
 )
 from recipe.upstream.releases import ParallelStateStandIn
-
-
-def thd_get_partitioned_indices(cu_seqlens, total_tokens, world_size, rank):
-    """TransformerEngine's thd_partition_indices_kernel (a CUDA kernel), transcribed."""
-    cu = torch.as_tensor(cu_seqlens).long().cpu()
-    assert not bool((cu % (world_size * 2)).any()), "the kernel's assert"
-    cu_s = cu // world_size
-    token = torch.arange(int(total_tokens) // world_size)
-    seq = torch.searchsorted(cu_s[1:-1], token, right=True)
-    seq_len = cu_s[seq + 1] - cu_s[seq]
-    index = token - cu_s[seq]
-    offset = torch.where(index < seq_len // 2, rank, (world_size - 1) * 2 - rank)
-    return index + cu_s[seq] * world_size + seq_len // 2 * offset
 
 
 class Collectives:
@@ -79,8 +67,8 @@ def load_inverse(wheel, spec):
         }
     module = load_from_wheel(wheel, spec["relative"], stubs, package=spec["package"])
     undo = module._undo_attention_load_balancing
-    kernel = types.SimpleNamespace(thd_get_partitioned_indices=thd_get_partitioned_indices)
-    namespace = dict(undo.__globals__, is_te_min_version=lambda *a, **k: True, tex=kernel)
+    played = {"is_te_min_version": lambda *a, **k: True, "tex": TEPartitionStandIn}
+    namespace = dict(undo.__globals__, **played)
     module._undo_attention_load_balancing = types.FunctionType(
         undo.__code__, namespace, undo.__name__, undo.__defaults__, undo.__closure__
     )
@@ -179,7 +167,7 @@ def round_trip_problems(outputs, case, spec):
 
 
 def round_trip_body(spec: dict) -> str:
-    parts = (*COMMON, thd_get_partitioned_indices, Collectives, load_inverse, original, split,
+    parts = (*COMMON, Collectives, load_inverse, original, split,
              round_trip_outputs, round_trip_problems)  # fmt: skip
     return script(
         parts,

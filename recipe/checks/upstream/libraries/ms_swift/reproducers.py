@@ -67,6 +67,32 @@ def megatron_stand_in():
         sys.modules.update(saved)
 
 
+class TEPartitionStandIn:
+    """TransformerEngine's `thd_get_partitioned_indices` (a CUDA kernel), transcribed from
+    `thd_partition_indices_kernel` (transformer_engine/common/fused_attn/context_parallel.cu):
+    for each of rank's total/world slots, the global index of the token it holds, each sequence
+    of `cu_seqlens` split in 2*world chunks of which the rank holds chunk rank and 2*world-1-rank.
+    The kernel asserts every boundary is a multiple of 2*world."""
+
+    @staticmethod
+    def thd_get_partitioned_indices(cu_seqlens, total_tokens, world_size, rank):
+        cu = torch.as_tensor(cu_seqlens).to(torch.int64).cpu()
+        if bool((cu % (world_size * 2)).any()):
+            raise AssertionError(
+                f"thd_get_partitioned_indices: cu_seqlens {cu.tolist()} not a multiple of "
+                f"2*world_size={2 * world_size} (the kernel's assert)"
+            )
+        cu_s = cu // world_size
+        token = torch.arange(int(total_tokens) // world_size)
+        # the kernel's binary_search(token, cu_s, batch + 1): the last i with cu_s[i] <= token,
+        # searched in [0, batch - 1]
+        seq = torch.searchsorted(cu_s[1:-1], token, right=True)
+        seq_len = cu_s[seq + 1] - cu_s[seq]
+        index = token - cu_s[seq]
+        offset = torch.where(index < seq_len // 2, rank, (world_size - 1) * 2 - rank)
+        return index + cu_s[seq] * world_size + seq_len // 2 * offset
+
+
 def logger(*args, **kwargs):
     import logging
 
@@ -185,7 +211,14 @@ def split_outputs(wheel, case, o):
     return outputs
 
 
-COMMON = (PackedSeqParams, MegatronStandIn, megatron_stand_in, logger, sequences)
+COMMON = (
+    PackedSeqParams,
+    MegatronStandIn,
+    megatron_stand_in,
+    TEPartitionStandIn,
+    logger,
+    sequences,
+)
 SPLIT_TRUTH = (expected_slots, split_problems)
 
 
