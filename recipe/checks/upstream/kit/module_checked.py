@@ -1,9 +1,12 @@
-"""A function of one release's file, loaded as a module and called on every rank of a packed
-stream: what the plugins that check such a function share (fla-core's `get_cp_cu_seqlens`,
-ring-flash-attn's `llama3_flash_attn_prepare_cu_seqlens`).
+"""A function (or class) of one release's file, loaded as a module and called on every rank of a
+packed stream: what the plugins that check such a thing share (fla-core's `get_cp_cu_seqlens`,
+ring-flash-attn's `llama3_flash_attn_prepare_cu_seqlens`, axolotl-ringmaster's
+`shard_collated_batch`, DeepSpeed's `UlyssesSPDataLoaderAdapter`).
 
-A case is (lengths, world size): the checker's micro-batches without tp (tp does not enter). The
-plugin gives its function's problems on a case as (level, message) pairs, level an `Impact`'s
+A case is (lengths, size, *`case_rest`): the checker's micro-batches without tp (tp does not
+enter; a plugin whose cases keep the (lengths, cp, tp) shape sets `case_rest = (1,)`), the size
+named `size_name` in the finding's record and message ("world_size" unless the plugin says).
+The plugin gives its function's problems on a case as (level, message) pairs, level an `Impact`'s
 value; the finding is the first of the worst. Its reproducer ships real functions
 (`inspect.getsource`) after the kit's prelude: `released_outputs(wheel, case, options)` and
 `released_problems(outputs, case, options)`, which the glue below calls with CASE and OPTIONS.
@@ -58,6 +61,48 @@ def packed_cu_seqlens(lengths, parts, padding):
     return bounds
 
 
+def lost_tokens(tokens, present, stride):
+    """[(4, message)] when a real token of `tokens` (document d's token p: 1 + stride * d + p)
+    is not in `present` (the tokens the ranks hold), else []."""
+    missing = sorted(tokens - present)
+    if not missing:
+        return []
+    first = divmod(missing[0] - 1, stride)
+    return [(4, f"{len(missing)} of {len(tokens)} real tokens are on no rank (first: document "
+                f"{first[0]}, position {first[1]}): they never train")]  # fmt: skip
+
+
+def slot_problems(got, slot, g, where, lengths, stride, tokens, first=0):
+    """(level, message) per problem of local `slot` of `got` (a rank's input_ids, position_ids
+    and shift_labels, lists), which holds slot `g` of a packed row: documents first, first + 1,
+    .. of `lengths` back to back (document d's token p: 1 + stride * d + p), then padding.
+    `tokens`: every real token of the case; `where` names the slot. Truth: the token, its
+    position in its own document, its label the next token of its own document (the last
+    token's: -100); a padding slot's label -100. Every problem is level 3 (misplaced)."""
+    label = got["shift_labels"][slot]
+    if g >= sum(lengths):
+        return [] if label == -100 else [(3, f"{where} (padding): label {label}, not -100: "
+                                             "padding trains")]  # fmt: skip
+    i, start = 0, 0
+    while start + lengths[i] <= g:
+        start, i = start + lengths[i], i + 1
+    d, p = first + i, g - start
+    token = 1 + stride * d + p
+    want = {"input_ids": token, "position_ids": p,
+            "shift_labels": token + 1 if p + 1 < lengths[i] else -100}  # fmt: skip
+    found = []
+    for name, value in want.items():
+        if got[name][slot] != value:
+            other = divmod(got[name][slot] - 1, stride)
+            crosses = name == "shift_labels" and other[0] != d and got[name][slot] in tokens
+            note = (f" (document {other[0]}'s position {other[1]}: the label crosses into the "
+                    "next document)" if crosses else "")  # fmt: skip
+            shown = "label" if name == "shift_labels" else name
+            what = f"{shown} expected {value}, got {got[name][slot]}{note}"
+            found.append((3, f"{where} (document {d}, position {p}): {what}"))
+    return found
+
+
 # ---- the checker's side ----------------------------------------------------------------------
 
 
@@ -75,14 +120,17 @@ class ModuleChecked(Checked):
 
     module: object = None
 
-    function_name: ClassVar[str]
+    function_name: ClassVar[str]  # or a class's name, where `present` accepts classes
+    size_name: ClassVar[str] = "world_size"  # the case's size, as its record and message name it
+    case_rest: ClassVar[tuple] = ()  # what a case carries after (lengths, size)
     defaults: ClassVar[dict]  # option -> its default
     shipped: ClassVar[tuple]  # what the reproducer carries: functions, by their source
     title: ClassVar[str]  # the reproducer's, after the label
 
     @abstractmethod
-    def case_problems(self, lengths: list, world_size: int, chosen: dict) -> tuple[list, list]:
-        """(the cu_seqlens passed, [(level, message)]) of this function on the case."""
+    def case_problems(self, lengths: list, size: int, chosen: dict) -> tuple[list | None, list]:
+        """(the cu_seqlens passed, None where the function takes none, [(level, message)]) of
+        this function on the case."""
 
     @abstractmethod
     def broken_module(self):
@@ -91,6 +139,11 @@ class ModuleChecked(Checked):
     @abstractmethod
     def shipped_constants(self) -> dict:
         """The module constants the shipped functions read, by name."""
+
+    @staticmethod
+    def present(value) -> bool:
+        """Whether the module's `function_name` is the thing this check calls (a function)."""
+        return callable(value)
 
     @property
     def line(self) -> int:
@@ -101,25 +154,27 @@ class ModuleChecked(Checked):
         return getattr(self.module, self.function_name)
 
     def cases(self, min_length: int = 1):
-        """(lengths, world size): the checker's micro-batches without tp (tp does not change
-        what the function returns)."""
-        return micro_batches(min_length=min_length).map(lambda case: (case[0], case[1]))
+        """(lengths, size, *case_rest): the checker's micro-batches without tp (tp does not
+        change what the function returns)."""
+        rest = self.case_rest
+        return micro_batches(min_length=min_length).map(lambda case: (case[0], case[1], *rest))
 
     def chosen_options(self, options: dict) -> dict:
         return with_defaults(options, self.defaults)
 
     def finding(self, case, options: dict) -> Finding | None:
-        lengths, world_size = list(case[0]), case[1]
+        lengths, size = list(case[0]), case[1]
         chosen = self.chosen_options(options)
-        bounds, found = self.case_problems(lengths, world_size, chosen)
+        bounds, found = self.case_problems(lengths, size, chosen)
         if not found:
             return None
         level, what = max(found, key=lambda f: f[0])  # the first of the worst
+        passed = "" if bounds is None else f" (cu_seqlens={bounds})"
         return Finding(
-            {"lengths": lengths, "world_size": world_size},
+            {"lengths": lengths, self.size_name: size},
             tuple(sorted(chosen.items())),
             Impact(level),
-            f"lengths={lengths} world_size={world_size} (cu_seqlens={bounds}): {what}",
+            f"lengths={lengths} {self.size_name}={size}{passed}: {what}",
         )
 
     def broken_copy(self, part: str = "function") -> ModuleChecked:
@@ -136,9 +191,9 @@ class ModuleChecked(Checked):
 
 
 class ModuleTarget(CheckTarget):
-    """A `ModuleChecked` function as the registry lists it. `load_file(path, library, version)`
-    executes the release's file as a module with its stubs; `signature_options(function, label)`
-    partitions the function's options into (drawn, fixed), an option not known refusing."""
+    """A `ModuleChecked` function (or class) as the registry lists it. `load_file(path, library,
+    version)` executes the release's file as a module with its stubs; `signature_options(function,
+    label)` partitions the function's options into (drawn, fixed), an option not known refusing."""
 
     def __init__(self, name: str, file: str, checked: type[ModuleChecked], notes: tuple[str, ...],
                  load_file: Callable, signature_options: Callable) -> None:  # fmt: skip
@@ -150,7 +205,7 @@ class ModuleTarget(CheckTarget):
         module = self.load_file(path, library, version)
         function_name = self.checked.function_name
         label = f"{library}@{version} {self.name}"
-        if not callable(getattr(module, function_name, None)):
+        if not self.checked.present(getattr(module, function_name, None)):
             raise UpstreamUnavailable(f"{library}@{version} has no {function_name} in {self.file}")
         drawn, skipped = self.signature_options(getattr(module, function_name), label)
         return self.checked(library, version, self.name, distribution, self.file, drawn, skipped,

@@ -65,26 +65,22 @@ loss, which shifts it the same way (not verified here).
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
-
 import torch
 
 from recipe.checks.upstream.kit import layouts
-from recipe.checks.upstream.kit.checked import (
-    Checked,
-    CheckTarget,
-    Finding,
-    Library,
-    function_line,
-    reproducer_source,
-    with_defaults,
+from recipe.checks.upstream.kit.checked import Finding, Library
+from recipe.checks.upstream.kit.module_checked import (
+    ModuleChecked,
+    ModuleTarget,
+    lost_tokens,
+    slot_problems,
 )
+from recipe.checks.upstream.kit.prelude import load_from_wheel
 from recipe.data.packing import pack_sequences
-from recipe.parallel.cp.contract import PAD_ID, Impact, micro_batches, unique_sequences
+from recipe.parallel.cp.contract import PAD_ID, unique_sequences
 from recipe.parallel.cp.zigzag import zigzag_index
 from recipe.upstream.releases import partition_options
-from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
+from recipe.upstream.source import load_module
 
 FILE = "ringmaster/shard.py"
 FUNCTION = "shard_collated_batch"
@@ -101,6 +97,14 @@ FIXED = {
 }
 CONTROL = "shift[:, :-1] = labels[:, 1:]"  # the negative control labels each token with itself
 CONTROL_NAMES = ("_ensure_global_shift_labels", "_zigzag_shard", "shard_batch", FUNCTION)
+# What each case does besides the call, printed under the check's header.
+NOTES = (
+    "one packed row of the drawn documents, every rank; the label is shift_labels (what "
+    "the model's loss reads); the layout is the function's own (contiguous chunks of the "
+    "padded row, or head_tail over the whole row)",
+    "boundaries: position_ids = axolotl's multipack (positions + segment-numbered mask); "
+    "labels: as_given = labels equal input_ids, separator = -100 at each document start",
+)
 
 
 # ---- The row, the call and the check: plain Python and torch, carried by the reproducer.
@@ -168,12 +172,9 @@ def shard_problems(outputs, lengths, cp, layout):
         starts.append(starts[-1] + n)
     real, ranks = starts[-1], outputs["ranks"]
     tokens = {1 + stride * i + p for i, n in enumerate(lengths) for p in range(n)}
-    present = {t for got in ranks for t in got["input_ids"] or []}
-    missing = sorted(tokens - present)
-    if missing:
-        first = divmod(missing[0] - 1, stride)
-        return [(4, f"{len(missing)} of {real} real tokens are on no rank (first: document "
-                    f"{first[0]}, position {first[1]}): they never train")]  # fmt: skip
+    lost = lost_tokens(tokens, {t for got in ranks for t in got["input_ids"] or []}, stride)
+    if lost:
+        return lost
     widths = {len(got[name] or []) for got in ranks for name in ("input_ids", "position_ids",
                                                                  "shift_labels")}  # fmt: skip
     width = widths.pop()
@@ -185,25 +186,8 @@ def shard_problems(outputs, lengths, cp, layout):
     for rank, got in enumerate(ranks):
         for slot in range(width):
             g = global_slot(layout, cp, width, rank, slot)
-            label = got["shift_labels"][slot]
-            if g >= real:
-                if label != -100:
-                    found.append((3, f"rank {rank}, local slot {slot} (padding): label {label}, "
-                                     "not -100: padding trains"))  # fmt: skip
-                continue
-            i = max(k for k in range(len(lengths)) if starts[k] <= g)
-            p, n = g - starts[i], lengths[i]
-            want = {"input_ids": 1 + stride * i + p, "position_ids": p,
-                    "shift_labels": 1 + stride * i + p + 1 if p + 1 < n else -100}  # fmt: skip
-            for name, value in want.items():
-                if got[name][slot] != value:
-                    other = divmod(got[name][slot] - 1, stride)
-                    note = (f" (document {other[0]}'s position {other[1]}: the label crosses "
-                            "into the next document)" if name == "shift_labels"
-                            and other[0] != i and got[name][slot] in tokens else "")  # fmt: skip
-                    found.append((3, f"rank {rank}, local slot {slot} (document {i}, position "
-                                     f"{p}): {'label' if name == 'shift_labels' else name} "
-                                     f"expected {value}, got {got[name][slot]}{note}"))  # fmt: skip
+            where = f"rank {rank}, local slot {slot}"
+            found += slot_problems(got, slot, g, where, lengths, stride, tokens)
     for rank, got in enumerate(ranks):  # the documents' starts, then any split of the padding
         cu, top = got["varlen"] or [[], 0]
         tail = cu[len(lengths) :]
@@ -219,20 +203,16 @@ def shard_problems(outputs, lengths, cp, layout):
     return found
 
 
-MODEL_SOURCE = "\n\n".join(
-    inspect.getsource(f) for f in (packed_row, call_outputs, global_slot, shard_problems)
-)
-TAIL = """
-def release_outputs(wheel):
+def released_outputs(wheel, case, options):
+    """Every rank's shard from the release in `wheel`, on the case."""
     # its @dataclass reads the module's own entry in sys.modules: a placeholder while it runs
-    module = load_from_wheel(wheel, "ringmaster/shard.py", {"released_shard": {}})
-    return call_outputs(module.shard_collated_batch, CASE["lengths"], CASE["cp"], OPTIONS)
+    module = load_from_wheel(wheel, FILE, {"released_shard": {}})
+    return call_outputs(getattr(module, FUNCTION), case["lengths"], case["cp"], options)
 
 
-def problems(outputs):
-    found = shard_problems(outputs, CASE["lengths"], CASE["cp"], OPTIONS["load_balance"])
+def released_problems(outputs, case, options):
+    found = shard_problems(outputs, case["lengths"], case["cp"], options["load_balance"])
     return [message for _, message in found][:12]
-"""
 
 
 def signature_options(function, label: str) -> tuple[dict[str, tuple], dict[str, str]]:
@@ -241,62 +221,40 @@ def signature_options(function, label: str) -> tuple[dict[str, tuple], dict[str,
     return {**drawn, **INPUT}, skipped
 
 
-@dataclass
-class ShardChecked(Checked):
-    """`shard_collated_batch` of one release (or its broken copy), loaded."""
+class ShardChecked(ModuleChecked):
+    """`shard_collated_batch` of one release, loaded. Its cases: (lengths, cp, 1), the
+    checker's micro-batches as one packed row; tp is no input."""
 
-    module: object = None
+    function_name = FUNCTION
+    size_name = "cp"
+    case_rest = (1,)
+    defaults = DEFAULTS
+    shipped = (packed_row, call_outputs, global_slot, lost_tokens, slot_problems, shard_problems,
+               released_outputs, released_problems)  # fmt: skip
+    title = f"every rank's shard of one packed row ({FILE})"
 
-    @property
-    def line(self) -> int:
-        return function_line(self.module, FUNCTION)
+    def case_problems(self, lengths, cp, chosen):
+        outputs = call_outputs(self.function, lengths, cp, chosen)
+        return None, shard_problems(outputs, lengths, cp, chosen["load_balance"])
 
-    def cases(self, min_length: int = 1):
-        """(lengths, cp, 1): the checker's micro-batches as one packed row; tp is no input."""
-        return micro_batches(min_length=min_length).map(lambda case: (case[0], case[1], 1))
-
-    @staticmethod
-    def _options(options: dict) -> dict:
-        return with_defaults(options, DEFAULTS)
-
-    def finding(self, case, options: dict) -> Finding | None:
-        lengths, cp = list(case[0]), case[1]
-        chosen = self._options(options)
-        outputs = call_outputs(getattr(self.module, FUNCTION), lengths, cp, chosen)
-        found = shard_problems(outputs, lengths, cp, chosen["load_balance"])
-        if not found:
-            return None
-        level, what = max(found, key=lambda f: f[0])  # the first of the worst
-        return Finding({"lengths": lengths, "cp": cp}, tuple(sorted(chosen.items())),
-                       Impact(level), f"lengths={lengths} cp={cp}: {what}")  # fmt: skip
-
-    def broken_copy(self, part: str = "function") -> ShardChecked:
+    def broken_module(self):
         """Each token labelled with itself (:126), the callers re-executed to call the copy."""
-        if part != "function":
-            raise UpstreamUnavailable(f"{self.label} has no {part} to break")
-        broken = layouts.mutated_copy(
+        return layouts.mutated_copy(
             self.module, CONTROL_NAMES, CONTROL_NAMES[0], CONTROL,
             "shift[:, :-1] = labels[:, :-1]", self.label,
         )  # fmt: skip
-        return ShardChecked(
-            self.library, self.version, self.name, self.distribution, self.file,
-            dict(self.drawn), dict(self.skipped), self.notes, broken,
-        )  # fmt: skip
 
-    def reproducer(self, finding: Finding) -> str:
-        return reproducer_source(
-            f"{self.label}: every rank's shard of one packed row ({FILE})",
-            finding, MODEL_SOURCE + "\n\n" + TAIL, self.distribution, self.version,
-        )  # fmt: skip
+    def shipped_constants(self) -> dict:
+        return {"FILE": FILE, "FUNCTION": FUNCTION}
 
     def truth_outputs(self, finding: Finding) -> dict:
         """The right shards from the recipe's own packing (`pack_sequences`, documents back to
         back) and zigzag index (one segment: the whole padded row)."""
         lengths, cp = finding.case["lengths"], finding.case["cp"]
-        layout = self._options(dict(finding.options))["load_balance"]
+        layout = self.chosen_options(dict(finding.options))["load_balance"]
         batch = pack_sequences(unique_sequences(lengths), 1, PAD_ID)
         real = int(batch.cu_seqlens[-1])
-        multiple = self._options(dict(finding.options))["pad_to_multiple_of"]
+        multiple = self.chosen_options(dict(finding.options))["pad_to_multiple_of"]
         unit = 2 * cp if layout == "head_tail" else cp
         collated = -(-real // multiple) * multiple  # the collator's padding, then the function's
         total = -(-collated // unit) * unit
@@ -321,29 +279,11 @@ class ShardChecked(Checked):
         return {"ranks": ranks, "error": None}
 
 
-class ShardTarget(CheckTarget):
-    name = FUNCTION
-    file = FILE
-
-    def load(self, library: str, distribution: str, version: str | None) -> ShardChecked:
-        path, version = source_file(distribution, version, FILE)
-        tag = f"{library}_{version}".replace(".", "_").replace("-", "_")
-        name = f"recipe_upstream_{tag}_shard"
-        module = load_module(path, name, {name: {}})  # its @dataclass reads sys.modules[name]
-        if not callable(getattr(module, FUNCTION, None)):
-            raise UpstreamUnavailable(f"{library}@{version} has no {FUNCTION} in {FILE}")
-        drawn, skipped = signature_options(getattr(module, FUNCTION), f"{library}@{version} "
-                                           f"{FUNCTION}")  # fmt: skip
-        notes = (
-            "one packed row of the drawn documents, every rank; the label is shift_labels (what "
-            "the model's loss reads); the layout is the function's own (contiguous chunks of the "
-            "padded row, or head_tail over the whole row)",
-            "boundaries: position_ids = axolotl's multipack (positions + segment-numbered mask); "
-            "labels: as_given = labels equal input_ids, separator = -100 at each document start",
-        )
-        return ShardChecked(library, version, FUNCTION, distribution, FILE, drawn, skipped,
-                            notes, module)  # fmt: skip
+def load_release(path, library: str, version: str):
+    name = f"recipe_upstream_{library}_{version}_shard".replace(".", "_").replace("-", "_")
+    return load_module(path, name, {name: {}})  # its @dataclass reads sys.modules[name]
 
 
-TARGETS = (ShardTarget(),)
+TARGET = ModuleTarget(FUNCTION, FILE, ShardChecked, NOTES, load_release, signature_options)
+TARGETS = (TARGET,)
 LIBRARY = Library("axolotl-ringmaster", TARGETS, releases=("0.2.7",))

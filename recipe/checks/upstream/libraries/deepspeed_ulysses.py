@@ -56,24 +56,22 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-from dataclasses import dataclass
 
 import torch
 
 from recipe.checks.upstream.kit import layouts
-from recipe.checks.upstream.kit.checked import (
-    Checked,
-    CheckTarget,
-    Finding,
-    Library,
-    function_line,
-    reproducer_source,
-    with_defaults,
+from recipe.checks.upstream.kit.checked import Finding, Library
+from recipe.checks.upstream.kit.module_checked import (
+    ModuleChecked,
+    ModuleTarget,
+    lost_tokens,
+    slot_problems,
 )
+from recipe.checks.upstream.kit.prelude import load_from_wheel
 from recipe.data.packing import pack_sequences
-from recipe.parallel.cp.contract import PAD_ID, Impact, micro_batches, unique_sequences
+from recipe.parallel.cp.contract import PAD_ID, unique_sequences
 from recipe.upstream.releases import partition_options
-from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
+from recipe.upstream.source import load_module
 
 FILE = "deepspeed/runtime/sequence_parallel/ulysses_sp.py"
 CLASS = "UlyssesSPDataLoaderAdapter"
@@ -89,6 +87,13 @@ FIXED = {
     "device": '"cpu"',
 }
 CONTROL = 'batch["shift_labels"] = labels[..., 1:].contiguous()'
+# What each case does besides the call, printed under the check's header.
+NOTES = (
+    "packed rows, one per SP rank (its one-batch dataloader), every rank; the label is "
+    "shift_labels (the adapter pops labels); the layout is contiguous chunks of each row",
+    "labels: as_given = labels equal input_ids, separator = -100 at each document start; "
+    "pad_to_multiple_of: sp = the collator pads each row to a multiple of sp, 1 = none",
+)
 
 
 # ---- The rows, the call and the check: plain Python and torch, carried by the reproducer.
@@ -119,6 +124,8 @@ class RanksGroup:
         self.rows, self.keys = rows, ["seqlen", *rows[rank]]
 
     def gather(self, outputs, is_tensor):
+        import torch
+
         key = self.keys.pop(0)
         for i, row in enumerate(self.rows):
             if key == "seqlen":
@@ -141,6 +148,11 @@ class Collectives:
     @staticmethod
     def all_gather_object(outputs, value, group=None):
         group.gather(outputs, False)
+
+
+def release_stubs():
+    """The stubs the file loads with (the docstring's): `deepspeed.comm` is `Collectives`."""
+    return {name: {"comm": Collectives} if name == "deepspeed" else {} for name in STUBS}
 
 
 def call_outputs(module, lengths, sp, options):
@@ -176,11 +188,9 @@ def shard_problems(outputs, lengths, sp):
     tokens = {1 + stride * (j * n + i) + p for j in range(sp) for i, m in enumerate(lengths)
               for p in range(m)}  # fmt: skip
     present = {t for batches in ranks for got in batches for t in got["input_ids"] or []}
-    missing = sorted(tokens - present)
-    if missing:
-        first = divmod(missing[0] - 1, stride)
-        return [(4, f"{len(missing)} of {real * sp} real tokens are on no rank (first: document "
-                    f"{first[0]}, position {first[1]}): they never train")]  # fmt: skip
+    lost = lost_tokens(tokens, present, stride)
+    if lost:
+        return lost
     widths = {len(got[k] or []) for b in ranks for got in b for k in ("input_ids", "position_ids",
                                                                       "shift_labels")}  # fmt: skip
     width = widths.pop()
@@ -190,50 +200,20 @@ def shard_problems(outputs, lengths, sp):
     for rank, batches in enumerate(ranks):
         for j, got in enumerate(batches):
             for slot in range(width):
-                g, where = rank * width + slot, f"rank {rank}, micro-batch {j}, local slot {slot}"
-                label = got["shift_labels"][slot]
-                if g >= real:
-                    if label != -100:
-                        found.append((3, f"{where} (padding): label {label}, not -100: padding "
-                                         "trains"))  # fmt: skip
-                    continue
-                i = max(k for k in range(n) if starts[k] <= g)
-                d, p = j * n + i, g - starts[i]
-                first = 1 + stride * d
-                want = {"input_ids": first + p, "position_ids": p,
-                        "shift_labels": first + p + 1 if p + 1 < lengths[i] else -100}  # fmt: skip
-                for name, value in want.items():
-                    if got[name][slot] != value:
-                        other = divmod(got[name][slot] - 1, stride)
-                        crosses = name == "shift_labels" and other[0] != d
-                        note = (f" (document {other[0]}'s position {other[1]}: the label crosses "
-                                "into the next document)" if crosses
-                                and got[name][slot] in tokens else "")  # fmt: skip
-                        shown = "label" if name == "shift_labels" else name
-                        what = f"{shown} expected {value}, got {got[name][slot]}{note}"
-                        found.append((3, f"{where} (document {d}, position {p}): {what}"))
+                where = f"rank {rank}, micro-batch {j}, local slot {slot}"
+                found += slot_problems(got, slot, rank * width + slot, where, lengths, stride,
+                                       tokens, j * n)  # fmt: skip
     return found
 
 
-MODEL_SOURCE = "\n\n".join(
-    inspect.getsource(f)
-    for f in (packed_row, RanksGroup, Collectives, call_outputs, shard_problems)  # fmt: skip
-)
-TAIL = """
-import torch
-
-STUBS = %r
+def released_outputs(wheel, case, options):
+    """Every rank's micro-batches from the release in `wheel`, on the case."""
+    module = load_from_wheel(wheel, FILE, release_stubs())
+    return call_outputs(module, case["lengths"], case["sp"], options)
 
 
-def release_outputs(wheel):
-    module = load_from_wheel(wheel, %r, {name: {"comm": Collectives} if name == "deepspeed" else {}
-                                           for name in STUBS})
-    return call_outputs(module, CASE["lengths"], CASE["sp"], OPTIONS)
-
-
-def problems(outputs):
-    return [message for _, message in shard_problems(outputs, CASE["lengths"], CASE["sp"])][:12]
-""" % (STUBS, FILE)  # noqa: UP031 (a template of Python source)
+def released_problems(outputs, case, options):
+    return [message for _, message in shard_problems(outputs, case["lengths"], case["sp"])][:12]
 
 
 def signature_options(function, label: str) -> tuple[dict[str, tuple], dict[str, str]]:
@@ -257,53 +237,36 @@ def registered(module):
             sys.modules[module.__name__] = before
 
 
-@dataclass
-class AdapterChecked(Checked):
-    """`UlyssesSPDataLoaderAdapter` of one release (or its broken copy), loaded."""
+class AdapterChecked(ModuleChecked):
+    """`UlyssesSPDataLoaderAdapter` of one release, loaded. Its cases: (lengths, sp, 1), the
+    checker's micro-batches as one packed row per rank."""
 
-    module: object = None
+    function_name = CLASS
+    size_name = "sp"
+    case_rest = (1,)
+    present = staticmethod(inspect.isclass)
+    defaults = DEFAULTS
+    shipped = (packed_row, RanksGroup, Collectives, release_stubs, call_outputs, lost_tokens,
+               slot_problems, shard_problems, released_outputs, released_problems)  # fmt: skip
+    title = f"every rank's micro-batches of packed rows ({FILE})"
 
     @property
     def line(self) -> int:
         with registered(self.module):
-            return function_line(self.module, CLASS)
+            return super().line
 
-    def cases(self, min_length: int = 1):
-        """(lengths, sp, 1): the checker's micro-batches as one packed row per rank."""
-        return micro_batches(min_length=min_length).map(lambda case: (case[0], case[1], 1))
+    def case_problems(self, lengths, sp, chosen):
+        return None, shard_problems(call_outputs(self.module, lengths, sp, chosen), lengths, sp)
 
-    @staticmethod
-    def _options(options: dict) -> dict:
-        return with_defaults(options, DEFAULTS)
-
-    def finding(self, case, options: dict) -> Finding | None:
-        lengths, sp = list(case[0]), case[1]
-        chosen = self._options(options)
-        found = shard_problems(call_outputs(self.module, lengths, sp, chosen), lengths, sp)
-        if not found:
-            return None
-        level, what = max(found, key=lambda f: f[0])  # the first of the worst
-        return Finding({"lengths": lengths, "sp": sp}, tuple(sorted(chosen.items())),
-                       Impact(level), f"lengths={lengths} sp={sp}: {what}")  # fmt: skip
-
-    def broken_copy(self, part: str = "function") -> AdapterChecked:
+    def broken_module(self):
         """Each token labelled with itself (:714), the class re-executed in the copy."""
-        if part != "function":
-            raise UpstreamUnavailable(f"{self.label} has no {part} to break")
         with registered(self.module):
-            broken = layouts.mutated_copy(self.module, (CLASS,), CLASS, CONTROL,
-                                          CONTROL.replace("[..., 1:]", "[..., :-1]"),
-                                          self.label)  # fmt: skip
-        return AdapterChecked(
-            self.library, self.version, self.name, self.distribution, self.file,
-            dict(self.drawn), dict(self.skipped), self.notes, broken,
-        )  # fmt: skip
+            return layouts.mutated_copy(self.module, (CLASS,), CLASS, CONTROL,
+                                        CONTROL.replace("[..., 1:]", "[..., :-1]"),
+                                        self.label)  # fmt: skip
 
-    def reproducer(self, finding: Finding) -> str:
-        return reproducer_source(
-            f"{self.label}: every rank's micro-batches of packed rows ({FILE})",
-            finding, MODEL_SOURCE + "\n\n" + TAIL, self.distribution, self.version,
-        )  # fmt: skip
+    def shipped_constants(self) -> dict:
+        return {"FILE": FILE, "STUBS": STUBS}
 
     def truth_outputs(self, finding: Finding) -> dict:
         """The right shards from the recipe's own packing (`pack_sequences`, documents back to
@@ -327,27 +290,11 @@ class AdapterChecked(Checked):
         return {"ranks": ranks, "error": None}
 
 
-class AdapterTarget(CheckTarget):
-    name = CLASS
-    file = FILE
-
-    def load(self, library: str, distribution: str, version: str | None) -> AdapterChecked:
-        path, version = source_file(distribution, version, FILE)
-        tag = f"{library}_{version}".replace(".", "_").replace("-", "_")
-        stubs = {s: {"comm": Collectives} if s == "deepspeed" else {} for s in STUBS}
-        module = load_module(path, f"recipe_upstream_{tag}_ulysses_sp", stubs)
-        if not inspect.isclass(getattr(module, CLASS, None)):
-            raise UpstreamUnavailable(f"{library}@{version} has no {CLASS} in {FILE}")
-        drawn, skipped = signature_options(getattr(module, CLASS), f"{library}@{version} {CLASS}")
-        notes = (
-            "packed rows, one per SP rank (its one-batch dataloader), every rank; the label is "
-            "shift_labels (the adapter pops labels); the layout is contiguous chunks of each row",
-            "labels: as_given = labels equal input_ids, separator = -100 at each document start; "
-            "pad_to_multiple_of: sp = the collator pads each row to a multiple of sp, 1 = none",
-        )
-        return AdapterChecked(library, version, CLASS, distribution, FILE, drawn, skipped,
-                              notes, module)  # fmt: skip
+def load_release(path, library: str, version: str):
+    name = f"recipe_upstream_{library}_{version}_ulysses_sp".replace(".", "_").replace("-", "_")
+    return load_module(path, name, release_stubs())
 
 
-TARGETS = (AdapterTarget(),)
+TARGET = ModuleTarget(CLASS, FILE, AdapterChecked, NOTES, load_release, signature_options)
+TARGETS = (TARGET,)
 LIBRARY = Library("deepspeed", TARGETS, releases=("0.19.8",))
