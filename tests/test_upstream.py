@@ -2,10 +2,11 @@
 
 Each finding that docs/upstream.md reports is pinned here by a direct call on the case the
 checker shrank it to, so a test fails if a release, an adapter or the ground truth changes what
-the check sees; each adapter's negative control (the function's own source with the back chunk's
-start moved by one) must be flagged on a case the original passes, so no adapter can pass
-everything. The wheels are fetched once by pip into the cache (`$RECIPE_UPSTREAM_CACHE`, default
-`~/.cache/recipe/upstream`): these tests start pip, so they are marked `launches`.
+the check sees. Each adapter's negative control (the function's own source with the back chunk's
+start moved by one) is proved at the newest release by tests/test_upstream_plugins.py; here only
+at the older verl releases, which that module does not load. The wheels are fetched once by pip
+into the cache (`$RECIPE_UPSTREAM_CACHE`, default `~/.cache/recipe/upstream`): these tests start
+pip, so they are marked `launches`.
 """
 
 from __future__ import annotations
@@ -118,12 +119,13 @@ def test_bridge_qwen3_vl_casts_the_mask_to_bool():
 
 @pytest.mark.parametrize(
     "library, version, target",
-    [*[("verl", v, t) for v in VERL_RELEASES for t in (THD, PACKED)],
-     ("megatron-bridge", BRIDGE, QWEN3_VL), ("megatron-bridge", BRIDGE, EXAONE45)],
+    [("verl", v, t) for v in VERL_RELEASES[:-1] for t in (THD, PACKED)],
     ids=lambda v: getattr(v, "name", v),
 )  # fmt: skip
 def test_every_adapter_flags_its_broken_copy(library, version, target):
-    """The negative control: on a case the release passes, its broken copy is flagged."""
+    """The negative control: on a case the release passes, its broken copy is flagged. At the
+    older verl releases only: the newest one's, and Megatron-Bridge's, are
+    tests/test_upstream_plugins.py's."""
     loaded = _loaded(library, version, target)
     case = [8, 16]  # no release has a finding here (the 0.7.1 THD one is in its positions)
     broken = _finding(loaded.broken_copy(), case)

@@ -6,9 +6,10 @@ read from its PyPI wheel (`openrlhf-0.11.2.data/purelib/openrlhf/models/ring_att
 - get_tensor_in_current_ring_attn_rank (:72): passes on the (1, N) row OpenRLHF gives it; on the
   (batch, seqlen) its docstring also names, it slices columns by numel() // W (:94-96), pinned
   twice (the search's minimal case and a direct call).
-Each broken copy is flagged where the release passes; an unknown option refuses the check; the
-reproducer exits 1 on the wheel and accepts the ground truth. pip fetches the wheel once into the
-cache (`$RECIPE_UPSTREAM_CACHE`), so the tests are marked `launches`.
+The inverse's broken copy is flagged where the release passes (the functions' are
+tests/test_upstream_plugins.py's); an unknown option refuses the check; the reproducer exits 1 on
+the wheel and accepts the ground truth. pip fetches the wheel once into the cache
+(`$RECIPE_UPSTREAM_CACHE`), so the tests are marked `launches`.
 """
 
 from __future__ import annotations
@@ -120,13 +121,9 @@ def test_slice_of_batch_rows_misplaces_minimal_case(released):
 
 @pytest.mark.parametrize(
     "kind, part, case, what",
-    [
-        ("unpad", "function", ([3], 2), "rank 0, labels row 0, local slot 0 (sample 0, position "
-         "0): expected 2, got 3"),
+    [  # the "function" part's: tests/test_upstream_plugins.py
         ("unpad", "inverse", ([5, 10], 2), "rank 0, round_trip [0, 0] (sample 0, position 0): "
          "expected 1, got 2"),
-        ("slice", "function", ([5, 11], 2), "1 of 16 real tokens on no rank, the first sample "
-         "0, position 0"),
     ],
 )  # fmt: skip
 def test_the_broken_copies_are_flagged_where_the_release_passes(released, kind, part, case, what):

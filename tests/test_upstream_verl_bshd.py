@@ -95,16 +95,18 @@ def test_a_short_search_with_options_drawn_passes(released):
 def test_the_broken_copies_are_flagged(released, version):
     """On a case the release passes: the front chunk one row late (`first_start + 1`) leaves
     each row's first token on no rank; the gather taking the back half's mask from the front
-    half returns the wrong tokens."""
+    half returns the wrong tokens. The function's copy at the newest release is
+    tests/test_upstream_plugins.py's."""
     checked = released[version]
     case = ([8, 16], 2, 1)
     assert checked.finding(case, {}) is None
-    function = checked.broken_copy("function").finding(case, {})
-    assert function.impact is Impact.LOST
-    assert function.what == (
-        "lengths=[8, 16] cp=2 tp=1: 2 of 24 real tokens are on no rank (sequence 0 position 0, "
-        "sequence 1 position 0): they never train"
-    )
+    if version != verl_bshd.RELEASES[-1]:
+        function = checked.broken_copy("function").finding(case, {})
+        assert function.impact is Impact.LOST
+        assert function.what == (
+            "lengths=[8, 16] cp=2 tp=1: 2 of 24 real tokens are on no rank (sequence 0 position "
+            "0, sequence 1 position 0): they never train"
+        )
     inverse = checked.broken_copy("inverse").finding(case, {})
     assert inverse.impact is Impact.MISPLACED
     assert inverse.what.startswith(
