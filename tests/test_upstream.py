@@ -504,7 +504,7 @@ def test_a_report_reproduces_on_the_release_and_passes_on_the_ground_truth(tmp_p
 
     from recipe.upstream.source import cache_root
 
-    argv = ["verl@0.9.1", "--function", "preprocess_thd_engine", "--cases", "30",
+    argv = ["verl@0.9.1", "--function", "preprocess_thd_engine", "--cases", "10",
             "--fixed", "use_fp8_padding=false", "--fixed", "min_local_rows=none",
             "--report", str(tmp_path)]  # fmt: skip
     assert main(argv) == 1
