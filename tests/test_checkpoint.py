@@ -100,9 +100,16 @@ def _resume_in_process(shared_runs, *args: str) -> Path:
     return shared_runs.run_dir([*RUN, *args])
 
 
-@pytest.mark.stack_dependent
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [[], ["cp=2"]], ids=["cp1", "cp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param([], id="cp1"),
+        # on the legacy stack the cp=2 kill covers the same checkpoint and resume path, its CP
+        # shards added: cp=1 runs on the current stack only (CI time, docs/testing.md)
+        pytest.param(["cp=2"], id="cp2", marks=pytest.mark.stack_dependent),
+    ],
+)
 def test_a_killed_run_resumes_bit_for_bit(layout, tmp_path, reference_cp1, reference_cp2):
     reference = reference_cp2 if layout else reference_cp1
     run_dir = tmp_path / "run"
