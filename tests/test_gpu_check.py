@@ -192,6 +192,13 @@ def _mfu(entry):
     assert list(variants) == ["training's attention", "per-sequence SDPA"]
     assert variants["training's attention"]["mfu_median"] == entry["mfu_median"]
     assert all(0 < v["mfu_min"] <= v["mfu_median"] <= v["mfu_max"] for v in variants.values())
+    # the time split of the headline variant's profiled steps: every part found, none larger
+    # than the step (CPU time on the CPU)
+    split = entry["time_split"]
+    assert split["clock"] == "CPU time" and split["steps"] == 2
+    parts = split["parts_s"]
+    assert set(parts) == {"attention", "rope", "mlp", "loss", "optimizer", "backward, other"}
+    assert all(0 < seconds < split["step_s"] for seconds in parts.values()), split
 
 
 @dataclass(frozen=True)

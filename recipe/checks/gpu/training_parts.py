@@ -26,6 +26,7 @@ from recipe.checks.gpu.shared import (
     part_config,
     ran_with,
 )
+from recipe.checks.gpu.time_split import profiled_steps
 from recipe.model.attention import recording_attention_kernels
 
 NCCL_SHARES_A_GPU_FROM = (2, 30)
@@ -267,6 +268,10 @@ def check_bf16_vs_fp32(
 # --- mfu_1b ----------------------------------------------------------------------------------
 
 
+PROFILED_STEPS = 2
+"""Steps of mfu_1b's headline variant run under torch's profiler for the time split
+(`time_split.py`), after its timed steps."""
+
 MFU_VARIANTS = {
     "training's attention": "one varlen kernel call per layer where CUDA and bf16 allow it",
     "per-sequence SDPA": "the per-sequence loop (per_sequence_attention), cuDNN SDPA allowed",
@@ -323,7 +328,8 @@ def check_mfu_1b(
         "trainer.precision=bf16",
         "trainer.deterministic=false",
         f"model.attention_backend={backend}",
-        f"trainer.max_steps={warmup_steps + timed}",
+        # the profiled steps after the timed ones: the profiler slows what it watches
+        f"trainer.max_steps={warmup_steps + timed + PROFILED_STEPS}",
     ]
     if overrides is None:
         cfg = part_config(ONE_B + common, small=False)
@@ -332,11 +338,17 @@ def check_mfu_1b(
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    variants = {}
+    variants, split = {}, {}
     for variant in mfu_variants(backend, cuda):
-        progress.at(f"training {warmup_steps} + {timed} steps ({variant})")
-        with following_training_steps(progress), attention_variant(variant):
-            history = train(cfg)["history"][warmup_steps:]
+        progress.at(f"training {warmup_steps} + {timed} + {PROFILED_STEPS} steps ({variant})")
+        # the headline variant's time split: its steps after the timed ones, profiled
+        profiled = (
+            profiled_steps(warmup_steps + timed, PROFILED_STEPS, cuda, split)
+            if not variants
+            else contextlib.nullcontext()
+        )
+        with following_training_steps(progress), attention_variant(variant), profiled:
+            history = train(cfg)["history"][warmup_steps : warmup_steps + timed]
         mfu = [h.get("mfu") for h in history]
         if not mfu or any(m is None for m in mfu):
             raise Skip(
@@ -364,6 +376,7 @@ def check_mfu_1b(
         ),
         **main,
         "variants": variants,
+        "time_split": split or None,
         "steps_timed": timed,
         "warmup_steps": warmup_steps,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
