@@ -6,13 +6,12 @@ standalone reproducer."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from recipe.checks.upstream.kit import layouts
+from recipe.checks.upstream.kit import layouts, zigzag_call
 from recipe.checks.upstream.kit.checked import (
     CheckTarget,
     ContractChecked,
@@ -125,19 +124,17 @@ class Loaded(ContractChecked):
     def reproducer(self, finding: Finding) -> str | None:
         if finding.case.get("round_trip"):
             return None  # the gather needs every rank's collective: not one standalone script
-        helpers = [nested, label_mask, padded_rows]
-        helpers.append(thd_fields if self.target.style == "thd" else bshd_fields)
-        body = "\n\n".join(inspect.getsource(h) for h in helpers)
-        body = body.replace("thd_fields" if self.target.style == "thd" else "bshd_fields", "fields")
-        head = REPRODUCER_CALL.format(
-            stubs=dict(self.target.stubs), file=self.file, function=self.function_name
+        fields = thd_fields if self.target.style == "thd" else bshd_fields
+        body = zigzag_call.script(
+            (nested, label_mask, padded_rows, fields),
+            fields.__name__,
+            {"STUBS": dict(self.target.stubs), "FILE": self.file, "FUNCTION": self.function_name},
         )
         title = (
             f"{self.label} ({self.file}:{self.line}): {finding.impact.label} on "
             f"{_case_text(finding.case)}"
         )
-        return reproducer_source(title, finding, head + "\n\n" + body + "\n\n" +
-                                 ZIGZAG_PROBLEMS, self.distribution, self.version)  # fmt: skip
+        return reproducer_source(title, finding, body, self.distribution, self.version)
 
     def truth_outputs(self, finding: Finding) -> list[dict]:
         """Every rank's fields from the ground truth (the recipe's index) on the case."""
@@ -230,89 +227,3 @@ def _head(values: torch.Tensor, shown: int = 6) -> str:
 
 def _case_text(case: dict) -> str:
     return f"lengths={case['lengths']} cp={case['cp']} tp={case['tp']}"
-
-
-# The reproducer's call of a zigzag-contract function: every rank played in one process, the
-# function reading its rank from a stand-in for megatron's parallel_state, as in the checker.
-REPRODUCER_CALL = """
-import torch
-
-STUBS = {stubs!r}
-FILE = {file!r}
-FUNCTION = {function!r}
-
-
-def case_sequences():
-    \"\"\"The case's sequences, token ids unique over the batch (0 is padding).\"\"\"
-    stride = max(CASE["lengths"]) + 1
-    return [[1 + stride * i + j for j in range(n)] for i, n in enumerate(CASE["lengths"])]
-
-
-def release_outputs(wheel):
-    \"\"\"Every rank's input_ids, position_ids, labels, loss_mask and cu_seqlens_padded.\"\"\"
-    module = load_from_wheel(wheel, FILE, STUBS)
-    logger = getattr(module, "logger", None)
-    if logger is not None and not hasattr(logger, "warning_once"):
-        logger.warning_once = logger.debug  # the package's __init__ (not run) adds it
-    function = getattr(module, FUNCTION)
-    sequences = [torch.tensor(s) for s in case_sequences()]
-    outputs = []
-    for rank in range(CASE["cp"]):
-        module.mpu = ParallelStateStandIn(CASE["cp"], rank, CASE["tp"])
-        got = fields(function, sequences, dict(OPTIONS))
-        outputs.append({{k: v.tolist() for k, v in got.items()}})
-    return outputs
-"""
-
-# The reproducer's ground truth, written out on its own (it imports nothing of the recipe).
-ZIGZAG_PROBLEMS = """
-def problems(outputs):
-    \"\"\"What differs from zigzag CP: every real token on exactly one rank, rank r holding
-    chunks r and 2*cp-1-r of every sequence padded to a multiple of 2*cp, at its own slot, with
-    its position, the next token of its own sequence as its label, and loss weight 1 where such a
-    label exists; padding never weighted.\"\"\"
-    cp = CASE["cp"]
-    sequences = case_sequences()
-    where = {t: (i, p) for i, s in enumerate(sequences) for p, t in enumerate(s)}
-    found, seen = [], {}
-    for rank, out in enumerate(outputs):
-        for slot, token in enumerate(out["input_ids"]):
-            if token not in where:
-                if out.get("loss_mask") and out["loss_mask"][slot]:
-                    found.append(f"rank {rank} slot {slot}: padding has loss mask 1")
-                continue
-            seen.setdefault(token, []).append((rank, slot))
-            i, p = where[token]
-            n = len(sequences[i])
-            want = {"position_ids": p, "loss_mask": int(p + 1 < n)}
-            if p + 1 < n:
-                want["labels"] = sequences[i][p + 1]
-            for name, value in want.items():
-                if name in out and out[name][slot] != value:
-                    found.append(f"rank {rank} slot {slot} (sequence {i}, position {p}): "
-                                 f"{name} is {out[name][slot]}, should be {value}")
-    cu = outputs[0]["cu_seqlens_padded"]
-    for token, (i, p) in where.items():
-        places = seen.get(token, [])
-        if not places:
-            found.append(f"sequence {i} position {p} (token {token}) is on no rank")
-            continue
-        if len(places) > 1:
-            found.append(f"sequence {i} position {p} is on ranks {[r for r, _ in places]}")
-        padded = cu[i + 1] - cu[i]
-        if padded % (2 * cp):
-            continue  # reported once per sequence below
-        chunk = padded // (2 * cp)
-        c = p // chunk
-        rank = c if c < cp else 2 * cp - 1 - c
-        slot = cu[i] // cp + p - c * chunk + (0 if c < cp else chunk)
-        if places[0] != (rank, slot):
-            found.append(f"sequence {i} position {p} is at rank {places[0][0]} slot "
-                         f"{places[0][1]}, zigzag puts it at rank {rank} slot {slot}")
-    for i in range(len(sequences)):
-        padded = cu[i + 1] - cu[i]
-        if padded % (2 * cp):
-            found.append(f"sequence {i} is padded to {padded}, not a multiple of 2*cp={2 * cp}: "
-                         "zigzag CP cannot split it into whole chunks")
-    return found
-"""
