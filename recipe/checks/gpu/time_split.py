@@ -150,10 +150,11 @@ def profiled_steps(after: int, steps: int, cuda: bool, result: dict):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if cuda:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            state["parts"] = labelled_parts(trainer)
-            state["parts"].__enter__()
-            state["profiler"] = torch.profiler.profile(activities=activities)
-            state["profiler"].__enter__()
+            state["open"] = contextlib.ExitStack()  # closes the profiler first, then the ranges
+            state["open"].enter_context(labelled_parts(trainer))
+            state["profiler"] = state["open"].enter_context(
+                torch.profiler.profile(activities=activities)
+            )
             state["start"], state["done"] = time.perf_counter(), 0
         metrics = original(trainer)
         if "profiler" in state and state["done"] < steps:
@@ -162,8 +163,7 @@ def profiled_steps(after: int, steps: int, cuda: bool, result: dict):
                 if cuda:
                     torch.cuda.synchronize()
                 wall = time.perf_counter() - state["start"]
-                state["profiler"].__exit__(None, None, None)
-                state["parts"].__exit__(None, None, None)
+                state["open"].close()
                 result.update(split(state["profiler"].key_averages(), cuda, steps, wall))
         return metrics
 
@@ -172,6 +172,5 @@ def profiled_steps(after: int, steps: int, cuda: bool, result: dict):
         yield result
     finally:
         Trainer.train_step = original
-        if "profiler" in state and state["done"] < steps:  # training ended first
-            state["profiler"].__exit__(None, None, None)
-            state["parts"].__exit__(None, None, None)
+        if "open" in state:  # training ended before the profiled steps did: a no-op otherwise
+            state["open"].close()
