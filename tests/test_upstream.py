@@ -499,6 +499,7 @@ def test_a_report_reproduces_on_the_release_and_passes_on_the_ground_truth(tmp_p
     """--report: each finding a folder with README.md and reproduce.py; the script fails (exit 1,
     the wrong slots) on the release's wheel and accepts the ground truth's outputs."""
     import importlib.util
+    import os
     import subprocess
     import sys
 
@@ -517,10 +518,14 @@ def test_a_report_reproduces_on_the_release_and_passes_on_the_ground_truth(tmp_p
     readme = (lost / "README.md").read_text()
     assert "verl/models/mcore/util.py:335" in readme and "**real tokens lost**" in readme
     wheel = next((cache_root() / "verl-0.9.1").glob("*.whl"))
+    scratch = tmp_path / "scratch"  # the script's temporary folders, which it must remove
+    scratch.mkdir()
     done = subprocess.run([sys.executable, str(lost / "reproduce.py"), "--wheel", str(wheel)],
-                          capture_output=True, text=True)  # fmt: skip
+                          capture_output=True, text=True,
+                          env={**os.environ, "TMPDIR": str(scratch)})  # fmt: skip
     assert done.returncode == 1 and "REPRODUCED" in done.stdout, done.stdout + done.stderr
     assert "is on no rank" in done.stdout
+    assert list(scratch.iterdir()) == [], "the reproducer left its temporary files behind"
     spec = importlib.util.spec_from_file_location("reproduce", lost / "reproduce.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

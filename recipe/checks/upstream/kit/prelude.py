@@ -8,8 +8,10 @@ body (after this prelude) defines `release_outputs` and `problems`, and sets CAS
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.machinery
 import importlib.util
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -31,9 +33,17 @@ class Placeholder(types.ModuleType):
         return value
 
 
+def scratch_folder(prefix):
+    """A temporary folder removed when the script exits: a reproducer run many times (by the
+    checker's tests, or a user's loop) leaves nothing behind."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def fetch_wheel(distribution, version):
     """The release's wheel, or its sdist (.tar.gz, not built) where it publishes no wheel."""
-    folder = Path(tempfile.mkdtemp(prefix="repro-wheel-"))
+    folder = scratch_folder("repro-wheel-")
     for binary, quiet in (("--only-binary=:all:", True), ("--no-binary=:all:", False)):
         subprocess.run(
             [
@@ -73,7 +83,7 @@ def load_from_wheel(wheel, relative, stubs, package=None):
     """Execute `relative` from the wheel (or sdist) as a private module, `stubs` (name ->
     attributes) standing in for the imports it makes that the checked code never calls; named
     inside `package` when given, so the file's relative imports find the stubs named there."""
-    folder = Path(tempfile.mkdtemp(prefix="repro-src-"))
+    folder = scratch_folder("repro-src-")
     extract(wheel, relative, folder)
     saved = {key: sys.modules.get(key) for key in stubs}
     for key, attributes in stubs.items():

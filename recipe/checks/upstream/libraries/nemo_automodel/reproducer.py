@@ -8,10 +8,10 @@ import importlib.machinery
 import importlib.util
 import inspect
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
+from recipe.checks.upstream.kit.prelude import scratch_folder
 from recipe.checks.upstream.libraries.nemo_automodel.mtp_truth import (
     MTP_CONSTANTS,
     MTP_SHIPPED,
@@ -30,7 +30,7 @@ def load_release(wheel, relative):
     """The released file at `relative`, from the wheel, executed as a module registered in
     sys.modules while it runs (as targets.load_registered does); the released files need no
     stubs."""
-    folder = Path(tempfile.mkdtemp(prefix="repro-src-"))
+    folder = scratch_folder("repro-src-")
     with zipfile.ZipFile(wheel) as archive:
         archive.extract(relative, folder)
     name = "released_" + Path(relative).stem
@@ -48,7 +48,7 @@ def named_problems(found):
     return [f"[{names[impact]}] {what}" for impact, what in found]
 
 
-# The script's own imports (the prelude's are the rest: sys, tempfile, zipfile, importlib, Path).
+# The script's own imports (the prelude's are the rest, and its scratch_folder).
 SCRIPT_IMPORTS = "import math\n"
 
 # The glue: the entry points a reproducer defines; {call} runs the release, {check} judges it.
