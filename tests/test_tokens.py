@@ -187,7 +187,21 @@ def test_missing_or_mismatched_records_fail_with_the_reason(tmp_path):
     missing = compare_token_records(tmp_path / "none", base, 1e-5)
     assert not missing.passed and "has no per-token records" in missing.problems[0]
     different = compare_token_records(other, base, 1e-5)
-    assert not different.passed and "predicted different tokens" in different.problems[0]
+    assert not different.passed
+    assert (
+        "predicted different tokens (4 vs 8: 4 only in the baseline "
+        "(the first sample 1 position 0))"
+    ) in different.problems[0]
+    # the same count of targets, at other positions (a loss mask moved): named, not "8 vs 8" alone
+    moved = tmp_path / "moved"
+    rows = torch.tensor([[i // 4, i % 4 + (i == 7), 1.0, 0, 0, 0] for i in range(8)],
+                        dtype=torch.float64)  # fmt: skip
+    write_token_records(moved, 1, [rows])
+    (problem,) = compare_token_records(moved, base, 1e-5).problems
+    assert (
+        "(8 vs 8: 1 only in the run (the first sample 1 position 4); "
+        "1 only in the baseline (the first sample 1 position 3))"
+    ) in problem
 
 
 # --- first divergence ---------------------------------------------------------------------------

@@ -88,13 +88,28 @@ def compare_records(
             np.array_equal(a["sample"], b["sample"])
             and np.array_equal(a["position"], b["position"])
         ):
-            problems.append(
-                f"step {step}: the runs predicted different tokens ({a['sample'].size} vs "
-                f"{b['sample'].size}); their data or batching differ"
-            )
+            problems.append(f"step {step}: {_token_set_difference(a, b)}")
             continue
         diffs.append(_diff(step, a, b, atol, cp_size))
     return TokenComparison(Path(run), Path(baseline), atol, diffs, problems)
+
+
+def _token_set_difference(mine: dict, theirs: dict) -> str:
+    """Which (sample, position) targets only one side predicted: equal counts alone would read
+    as the same tokens (a loss mask placed on other tokens keeps the count)."""
+    run = set(zip(mine["sample"].tolist(), mine["position"].tolist(), strict=True))
+    baseline = set(zip(theirs["sample"].tolist(), theirs["position"].tolist(), strict=True))
+    sides = []
+    for name, only in (("the run", run - baseline), ("the baseline", baseline - run)):
+        if only:
+            sample, position = min(only)
+            sides.append(
+                f"{len(only)} only in {name} (the first sample {sample} position {position})"
+            )
+    return (
+        f"the runs predicted different tokens ({len(run)} vs {len(baseline)}: "
+        f"{'; '.join(sides)}); their data, batching or loss mask differ"
+    )
 
 
 def _loss_delta(x: np.ndarray, y: np.ndarray) -> np.ndarray:
