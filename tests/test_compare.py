@@ -13,7 +13,7 @@ import yaml
 
 from recipe.compare.diff import all_passed, compare_all
 from recipe.compare.report import render_markdown
-from recipe.compare.runs import find_runs, load_run
+from recipe.compare.runs import find_runs, load_run, run_labels
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "compare_runs.py"
@@ -59,6 +59,22 @@ def test_identical_and_tiny_differences_pass_large_ones_fail(tmp_path):
     # Largest at the last step: 5/5 = 1.0 against 1.0 + 5 * 1e-3.
     assert results[2].diffs[0].max_rel == pytest.approx(5e-3 / 1.005, rel=1e-9)
     assert not all_passed(results)
+
+
+def test_a_sweep_directory_yields_its_jobs_not_their_twins_or_anchor_probes(tmp_path):
+    """`python -m recipe.compare SWEEP` on a sweep whose baseline has a noise twin and whose
+    runs have anchor probes: the jobs only, labelled by what differs between them."""
+    make_run(tmp_path, "0", cp=1)
+    make_run(tmp_path, "1", cp=2)
+    make_run(tmp_path / "0", "noise_twin", cp=1)
+    (tmp_path / "1" / "anchor_probes").mkdir()
+    (tmp_path / "1" / "anchor_probes" / "step_00000100" / "metrics.jsonl").parent.mkdir()
+    (tmp_path / "1" / "anchor_probes" / "step_00000100" / "metrics.jsonl").write_text(
+        json.dumps({"step": 101, "lm_loss": 1.0}) + "\n"
+    )
+    runs = find_runs([tmp_path])
+    assert [r.path.name for r in runs] == ["0", "1"]
+    assert run_labels(runs) == {tmp_path / "0": "0: cp=1", tmp_path / "1": "1: cp=2"}
 
 
 def test_baseline_is_cp1_with_otherwise_the_same_settings(tmp_path):

@@ -15,15 +15,52 @@ from hydra_plugins.recipe_launchers.catalogue_sweeper import (
     fork_late_onsets,
     raise_correct_run_failures,
 )
+from recipe.compare.anchors import judge_anchor
+from recipe.compare.runs import Run
 from recipe.config import ConfigError, TrainConfig
 from recipe.config.groups import CompareConfig, MutantConfig
 from recipe.data.packing import pack_sequences
 from recipe.names import MUTANTS
 from recipe.parallel.cp.shard import shard_batch
+from recipe.rundir.tokens import read_token_records, write_token_records
 from recipe.training.mutants import CATALOGUE
 from recipe.training.trainer import anchor_points
 from tests.helpers.cli import run_train_cli
 from tests.helpers.config import ROOT
+
+
+def _anchor_side(path: Path, losses: dict[int, list[float]], metrics: dict[int, dict]) -> Run:
+    for step, values in losses.items():
+        rows = torch.tensor([[0, i, loss, 0, 0, 0] for i, loss in enumerate(values)],
+                            dtype=torch.float64)  # fmt: skip
+        write_token_records(path, step, [rows])
+    return Run(path, [{"step": s, **m} for s, m in metrics.items()])
+
+
+def test_an_anchor_judges_both_steps_metrics_and_the_first_steps_tokens(tmp_path):
+    """The second step's tokens drift by up to the per-token tolerance in correct runs (Adam
+    after one update from last-bit-different gradients), so they are not judged one by one; its
+    metrics are, and every token of the first step."""
+    losses = {101: [2.0, 3.0, 4.0], 102: [1.9, 2.9, 3.9]}
+    metrics = {101: {"lm_loss": 3.0, "grad_norm": 1.0}, 102: {"lm_loss": 2.9, "grad_norm": 0.9}}
+    baseline = _anchor_side(tmp_path / "base", losses, metrics)
+    base_tokens = read_token_records(baseline.path)
+
+    def judge(name, losses, metrics):
+        probe = _anchor_side(tmp_path / name, losses, metrics)
+        return judge_anchor(100, probe, baseline, base_tokens, 1e-5, 1e-5,
+                            ("lm_loss", "grad_norm"), 1)  # fmt: skip
+
+    same = judge("same", losses, metrics)
+    assert same.passed and same.ratio == 0 and same.steps == [101, 102]
+    second_token = judge("second_token", {**losses, 102: [1.9, 2.9 + 3e-5, 3.9]}, metrics)
+    assert second_token.passed and second_token.token_max_abs == 0
+    first_token = judge("first_token", {**losses, 101: [2.0, 3.0 + 3e-5, 4.0]}, metrics)
+    assert not first_token.passed and first_token.ratio == pytest.approx(3, rel=1e-3)
+    second_loss = {**metrics, 102: {"lm_loss": 2.9 * (1 + 3e-5), "grad_norm": 0.9}}
+    second_metric = judge("second_metric", losses, second_loss)
+    assert not second_metric.passed and second_metric.worst_metric == "lm_loss"
+    assert second_metric.ratio == pytest.approx(3, rel=1e-3)
 
 
 def test_anchor_points_every_n_steps_and_the_last_that_fits():

@@ -135,10 +135,10 @@ def render_markdown(
         lines += [
             "",
             "Anchored check: the run's settings and its baseline from the SAME state (the "
-            "baseline's anchor), the same steps, each step at rtol and each token at the "
-            "per-token atol; `worst / tolerance` > 1 fails:",
+            "baseline's anchor), the same steps, each step at rtol and each token of the "
+            "first step at the per-token atol; `worst / tolerance` > 1 fails:",
             "",
-            "| run | anchor | steps | worst metric | max rel | per-token max abs | "
+            "| run | anchor | steps | worst metric | max rel | per-token max abs (first step) | "
             "worst / tolerance | verdict |",
             "|---|---|---|---|---|---|---|---|",
             *anchored,

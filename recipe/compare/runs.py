@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from recipe.rundir.job_files import read_job_config
-from recipe.rundir.layout import METRICS_FILE, NOISE_TWIN_DIR, metrics_path
+from recipe.rundir.layout import ANCHOR_PROBES_DIR, METRICS_FILE, NOISE_TWIN_DIR, metrics_path
 from recipe.rundir.metrics import parse_metrics_lines
 
 # Config keys that say nothing about what a run computed: where it wrote and how it logged.
@@ -82,6 +82,10 @@ def load_run(path: str | Path) -> Run:
     return Run(path=path, metrics=metrics, config=config, notes=notes)
 
 
+HELPER_DIRS = {NOISE_TWIN_DIR, ANCHOR_PROBES_DIR}
+"""Directories inside a run that hold metrics of runs of its own making, judged with it."""
+
+
 def find_runs(paths: list[str | Path]) -> list[Run]:
     """Run directories from the given paths; a directory without metrics (a sweep) is searched."""
     runs = []
@@ -93,7 +97,8 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
             {
                 m.parent
                 for m in p.rglob(METRICS_FILE)
-                if NOISE_TWIN_DIR not in m.relative_to(p).parts  # a baseline's, not a run
+                # a baseline's noise twin and a run's anchor probes are the run's helpers
+                if not HELPER_DIRS & set(m.relative_to(p).parts)
             },
             key=_natural_key,
         )
