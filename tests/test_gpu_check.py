@@ -186,6 +186,7 @@ def _mfu(entry):
     assert entry["steps_timed"] == 1 and entry["warmup_steps"] == 1
     assert 0 < entry["mfu_median"] < 1 and entry["tokens_per_s_median"] > 0
     assert entry["peak_memory_gib"] is None  # no allocator statistics on the CPU
+    assert entry["mfu_goal"] == 0.35 and entry["meets_mfu_goal"] is None, "judged on a GPU only"
     assert entry["ran"]["backend"] == "torch" and entry["ran"]["hidden_size"] == 64
     # the varlen path against the per-sequence loop (cuDNN off as well on CUDA only)
     variants = entry["variants"]

@@ -522,7 +522,9 @@ class TrainerConfig:
     precision: str = "auto"
     """auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 (autocast, fp32 weights and optimizer)."""
     deterministic: bool = True
-    """Deterministic kernels everywhere (megatron deterministic_mode, NVTE, cuBLAS, torch)."""
+    """Deterministic kernels where the switches reach (megatron deterministic_mode, NVTE, cuBLAS,
+    torch's deterministic algorithms in warn-only mode); on CUDA torch's flash attention backward
+    (the torch backend's bf16 attention) stays non-deterministic: docs/gpu.md."""
     peak_tflops: float | None = None
     """Peak TFLOP/s of one device for `mfu` (default: known GPUs' data sheet; none on CPU)."""
     on_nonfinite: str = "stop"

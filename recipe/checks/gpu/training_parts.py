@@ -34,6 +34,10 @@ NCCL_SHARES_A_GPU_FROM = (2, 30)
 refuses the second rank ("Duplicate GPU detected")."""
 MFU_WARMUP_STEPS = 2
 MFU_TIMED_STEPS = 8
+MFU_GOAL = 0.35
+"""The median MFU `mfu_1b` should reach without Transformer Engine (the torch backend's varlen
+path, one GPU): the published 1B-2B runs on H100 reach 33-48%. Reported, not a verdict: a run
+below it is still a measurement of where the time goes."""
 
 ONE_B = [
     "model=gpt_1b",
@@ -364,6 +368,9 @@ def check_mfu_1b(
     main = variants[next(iter(variants))]
     return {
         "passed": True,
+        "mfu_goal": MFU_GOAL,
+        # the goal is for a GPU: a CPU's MFU against a nominal peak says nothing about it
+        "meets_mfu_goal": main["mfu_median"] >= MFU_GOAL if cuda else None,
         "ran": ran_with(
             backend=backend,
             precision="bf16 autocast, fp32 weights",
