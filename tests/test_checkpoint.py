@@ -281,12 +281,17 @@ def test_a_dimension_that_does_not_split_is_an_error():
 
 
 def _fake_checkpoint(directory: Path, step: int, complete: bool = True) -> Path:
+    """A checkpoint that verifies: a stand-in shard, listed in the manifest with its size and
+    checksum (a manifest listing nothing, beside no DCP .metadata, is damaged: nothing to load)."""
     path = directory / ckpt.checkpoint_name(step)
     if not complete:
         path = path.with_name(path.name + PARTIAL_SUFFIX)
     path.mkdir(parents=True)
+    shard = path / "__0_0.distcp"
+    shard.write_bytes(f"the tensors of step {step}".encode())
     if complete:
-        (path / MANIFEST_FILE).write_text(json.dumps({"format": 1, "step": step}))
+        files = {shard.name: {"size": shard.stat().st_size, "sha256": sha256(shard)}}
+        (path / MANIFEST_FILE).write_text(json.dumps({"format": 1, "step": step, "files": files}))
     return path
 
 
@@ -593,10 +598,35 @@ def _damage(checkpoint: Path, how: str) -> str:
     if how == "manifest_lost":
         (checkpoint / MANIFEST_FILE).unlink()
         return f"{checkpoint / MANIFEST_FILE} is missing (it holds .metadata, __0_0.distcp"
+    if how in ("manifest_only", "old_manifest_only"):  # the manifest copied alone, shards lost
+        for path in checkpoint.iterdir():
+            if path.name != MANIFEST_FILE:
+                path.unlink()
+        if how == "manifest_only":
+            return f"{checkpoint / '.metadata'} is missing"  # the first file it lists
+        # the older format, written before files were listed: nothing to verify, nothing to load
+        manifest = json.loads((checkpoint / MANIFEST_FILE).read_text())
+        del manifest["files"]
+        (checkpoint / MANIFEST_FILE).write_text(json.dumps(manifest))
+        return (
+            f"{checkpoint / MANIFEST_FILE} lists no files and {checkpoint / '.metadata'}, DCP's "
+            f"index of the tensors' files, is missing (it holds {MANIFEST_FILE})"
+        )
     raise ValueError(how)
 
 
-@pytest.mark.parametrize("how", ["truncated", "missing", "changed", "renamed", "manifest_lost"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "truncated",
+        "missing",
+        "changed",
+        "renamed",
+        "manifest_lost",
+        "manifest_only",
+        "old_manifest_only",
+    ],
+)
 def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_name(
     how, tmp_path, reference_cp1, caplog
 ):
@@ -615,24 +645,32 @@ def test_a_damaged_checkpoint_is_skipped_by_auto_and_refused_by_name(
     assert f"skipping damaged checkpoint {damaged}" in caplog.text and what in caplog.text
     with pytest.raises(ConfigError, match=r"is damaged: .*newest before it is .*step_00000016"):
         ckpt.resolve_resume(str(damaged), None)
-    if how == "truncated":  # every one damaged: auto refuses as naming the directory does
+    if how in ("truncated", "old_manifest_only"):
+        # every one damaged: auto refuses as naming the directory does, and leaves it as it was
         for step in (8, 16):
             _damage(run / "checkpoints" / ckpt.checkpoint_name(step), how)
+        before = sorted(run.rglob("*"))
         for spec in ("auto", str(run)):
             with pytest.raises(ConfigError, match="every checkpoint in .* is damaged"):
                 ckpt.resolve_resume(spec, run)
+        assert sorted(run.rglob("*")) == before
 
 
 @pytest.mark.launches
-def test_auto_in_a_run_whose_manifests_are_all_lost_exits_2_and_changes_nothing(
+def test_auto_in_a_run_without_a_good_checkpoint_exits_2_and_changes_nothing(
     tmp_path, reference_cp1
 ):
-    """Every checkpoint's manifest removed, shards intact: `auto` must not take the directory for
-    a new run (which would write over step 24 and prune the others)."""
+    """No checkpoint to take: step 16's manifest removed (shards intact), step 8 only an older
+    manifest (no file listing, no shards), step 24's write finished but never renamed. `auto`
+    must not take the directory for a new run (which would write over them and prune the
+    others), nor resume from the manifest alone; it names each and removes nothing."""
     run = tmp_path / "run"
     shutil.copytree(reference_cp1, run)
-    for manifest in (run / "checkpoints").glob(f"*/{MANIFEST_FILE}"):
-        manifest.unlink()
+    checkpoints = run / "checkpoints"
+    (checkpoints / "step_00000016" / MANIFEST_FILE).unlink()
+    manifest_only = _damage(checkpoints / "step_00000008", "old_manifest_only")
+    unrenamed = checkpoints / f"step_00000024{PARTIAL_SUFFIX}"
+    (checkpoints / "step_00000024").rename(unrenamed)
 
     def kept():  # all but the job's log and lock file, which record the refused attempt
         files = (p for p in sorted(run.rglob("*")) if p.is_file())
@@ -643,11 +681,13 @@ def test_auto_in_a_run_whose_manifests_are_all_lost_exits_2_and_changes_nothing(
         [*RUN, "trainer.max_steps=32", "trainer.resume=auto", f"hydra.run.dir={run}"], cwd=tmp_path
     )
     assert done.returncode == 2, done.stderr[-2000:]
-    assert f"every checkpoint in {run / 'checkpoints'} is damaged" in done.stderr
-    named = f"skipping damaged checkpoint {run / 'checkpoints' / 'step_00000024'}: "
-    assert named + f"{run / 'checkpoints' / 'step_00000024' / MANIFEST_FILE} is missing" in (
-        done.stdout
-    )
+    assert f"every checkpoint in {checkpoints} is damaged" in done.stderr
+    named = f"skipping damaged checkpoint {checkpoints / 'step_00000016'}: "
+    assert named + f"{checkpoints / 'step_00000016' / MANIFEST_FILE} is missing" in done.stdout
+    assert f"skipping damaged checkpoint {checkpoints / 'step_00000008'}: " in done.stdout
+    assert manifest_only in done.stdout
+    assert f"skipping {unrenamed}: its write finished" in done.stdout
+    assert f"rename it to {checkpoints / 'step_00000024'}" in done.stdout
     assert kept() == before, "a refused resume must leave the directory as it found it"
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from recipe.host_memory import HOST_MEMORY_DEFAULTS, OPT_OUT
 from tests.helpers.cli import RANK_VARIABLES, start_train_cli, wait_for_steps
 from tests.helpers.config import ROOT, TINY
 
@@ -45,6 +46,25 @@ def _rank_processes(pid: int) -> list[int]:
     return sorted(ranks)
 
 
+def _started_with(pid: int) -> dict[str, str]:
+    """The environment a process was started with (/proc shows none of its later changes)."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
+
+
+def _check_host_memory_bounds(job_pid: int, ranks: list[int]) -> None:
+    """train.py bounds the host's caches (recipe/host_memory.py) before it starts the ranks: each
+    rank starts with the bounds the test's environment did not set itself, while the launching
+    process started without them (so they came from train.py, not from the test)."""
+    if os.environ.get(OPT_OUT) == "0":
+        return
+    unset = {k: v for k, v in HOST_MEMORY_DEFAULTS.items() if k not in os.environ}
+    assert not unset.keys() & _started_with(job_pid).keys()
+    for rank in ranks:
+        started_with = _started_with(rank)
+        assert {k: started_with.get(k) for k in unset} == unset, f"rank pid {rank}"
+
+
 @pytest.mark.distributed
 @pytest.mark.skipif(not Path("/proc").exists(), reason="finds rank processes through /proc")
 def test_a_stalled_rank_ends_the_job_within_the_collective_timeout(tmp_path):
@@ -64,6 +84,8 @@ def test_a_stalled_rank_ends_the_job_within_the_collective_timeout(tmp_path):
         wait_for_steps(job, run_dir, 2)
         ranks = _rank_processes(job.pid)
         assert len(ranks) == 2, ranks
+        # here, not in a job of its own: it needs launched ranks, and CI time is tight
+        _check_host_memory_bounds(job.pid, ranks)
         stalled = ranks[1]
         os.kill(stalled, signal.SIGSTOP)
         stopped_at = time.monotonic()

@@ -1,5 +1,6 @@
 """The host-memory bounds set before training (recipe/host_memory.py): added only where the user
-set nothing, none when opted out, and in effect in a run's ranks."""
+set nothing, none when opted out, and in effect in a run's ranks (that train.py sets them for its
+ranks is checked in tests/test_faults.py's stalled-rank test, which launches ranks already)."""
 
 from __future__ import annotations
 

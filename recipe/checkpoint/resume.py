@@ -4,10 +4,11 @@
 manifest (files, sizes, checksums, the step in its name), passing over a damaged one with a
 warning naming it; a damaged checkpoint named explicitly is an error naming the file. Every
 `step_N` directory is a checkpoint: one without its manifest (lost, or an empty directory) is
-damaged, never mistaken for "no checkpoint yet", since starting over would write over it. A
-`step_N.partial` holding its manifest is a finished write whose rename was cut short: kept, named,
-never pruned. A resume from step N sets aside the abandoned timeline's later checkpoints, and only
-the newest `trainer.checkpoint_keep` complete ones stay.
+damaged, never mistaken for "no checkpoint yet", since starting over would write over it; so is
+one whose manifest lists no files (the older format) beside no DCP `.metadata` naming any: there
+is nothing to load. A `step_N.partial` holding its manifest is a finished write whose rename was
+cut short: kept, named, never pruned. A resume from step N sets aside the abandoned timeline's
+later checkpoints, and only the newest `trainer.checkpoint_keep` complete ones stay.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from recipe.rundir.layout import (
     step_name,
     step_of,
 )
+
+# torch.distributed.checkpoint's index of the stored tensors and the files that hold them
+DCP_METADATA = ".metadata"
 
 
 def checkpoint_name(step: int) -> str:
@@ -77,19 +81,15 @@ def finished_partials(directory: str | Path) -> list[Path]:
 
 def checkpoint_problem(checkpoint: str | Path) -> str | None:
     """What is wrong with a checkpoint directory, or None: no manifest, an unreadable one, a step
-    that is not the one in the directory's name, a listed file missing, cut short or changed.
-    (A checkpoint written before files were listed has nothing to verify them against.)"""
+    that is not the one in the directory's name, a listed file missing, cut short or changed, or
+    nothing to load: a manifest that lists no files (written before files were listed, it has no
+    sizes or checksums to verify) is taken only with DCP's `.metadata` naming files that are all
+    there."""
     checkpoint = Path(checkpoint)
     if not (checkpoint / MANIFEST_FILE).is_file():
-        held = sorted(entry.name for entry in checkpoint.iterdir()) if checkpoint.is_dir() else []
-        what = (
-            f"it holds {', '.join(held[:4])}{' ...' if len(held) > 4 else ''}"
-            if held
-            else "the directory is empty"
-        )
         return (
-            f"{checkpoint / MANIFEST_FILE} is missing ({what}): without it nothing can verify "
-            "the files or say which step and config they are"
+            f"{checkpoint / MANIFEST_FILE} is missing ({_contents(checkpoint)}): without it "
+            "nothing can verify the files or say which step and config they are"
         )
     try:
         manifest = read_manifest(checkpoint)
@@ -101,12 +101,24 @@ def checkpoint_problem(checkpoint: str | Path) -> str | None:
             f"{checkpoint / MANIFEST_FILE} says step {manifest.get('step')}, the directory's name "
             f"step {named}"
         )
-    for name in sorted(_files_the_tensors_need(checkpoint) - set(manifest.get("files") or {})):
+    listed = manifest.get("files") or {}
+    needed = _files_the_tensors_need(checkpoint)
+    if not listed and not needed:
+        # An older manifest over a directory whose shards are gone (or never came: a copy of the
+        # manifest alone) verified vacuously, and `auto` took it: the load would then fail, or
+        # a fresh start after it would write over the directory.
+        index = checkpoint / DCP_METADATA
+        why = "is unreadable or names no files" if index.is_file() else "is missing"
+        return (
+            f"{checkpoint / MANIFEST_FILE} lists no files and {index}, DCP's index of the "
+            f"tensors' files, {why} ({_contents(checkpoint)}): there is nothing to load"
+        )
+    for name in sorted(needed - set(listed)):
         # A checkpoint written before every rank's part was checked at write time: a rank that
         # wrote elsewhere left a manifest that verifies without the file the tensors are in.
         if not (checkpoint / name).is_file():
             return f"{checkpoint / name} is missing (the checkpoint's tensors are stored in it)"
-    for name, expected in (manifest.get("files") or {}).items():
+    for name, expected in listed.items():
         path = checkpoint / name
         if not path.is_file():
             return f"{path} is missing"
@@ -116,6 +128,14 @@ def checkpoint_problem(checkpoint: str | Path) -> str | None:
         if sha256(path) != expected["sha256"]:
             return f"{path} does not match its checksum in the manifest (the file changed)"
     return None
+
+
+def _contents(checkpoint: Path) -> str:
+    """What a checkpoint directory holds, for a message that says it is damaged."""
+    held = sorted(entry.name for entry in checkpoint.iterdir()) if checkpoint.is_dir() else []
+    if not held:
+        return "the directory is empty"
+    return f"it holds {', '.join(held[:4])}{' ...' if len(held) > 4 else ''}"
 
 
 def _files_the_tensors_need(checkpoint: Path) -> set[str]:
