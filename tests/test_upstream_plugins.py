@@ -6,6 +6,9 @@ tested here the moment its registry line exists:
   the checker's own search on a case where the release itself passes;
 - the reproducer of that finding is a standalone script (no recipe import) that accepts the
   ground truth's outputs and judges the released file as the checker does: it passes there;
+- where docs/upstream.json has the newest release FAIL, the checker's own draw finds a case the
+  release fails, and that finding's reproducer flags the released code (its `problems` is not
+  empty) and accepts the ground truth: a reproducer that never reports would pass the others;
 - an option the checker does not know is refused (exit 2, the option named), never ignored.
 
 Each plugin's own tests (tests/test_upstream_NAME.py) keep what only it has: its findings on the
@@ -16,8 +19,10 @@ pip into the cache once: marked `launches`.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -138,6 +143,14 @@ def test_the_reproducer_accepts_the_truth_and_passes_the_release(
     must find nothing there, and must accept what the ground truth gives."""
     checked = loaded(name, function)
     found, _ = controls(name, function)
+    script = _reproducer(checked, found, tmp_path, monkeypatch)
+    assert script.problems(checked.truth_outputs(found)) == []
+    wheel = _wheel(checked.distribution, checked.version)
+    assert script.problems(script.release_outputs(wheel)) == [], checked.label
+
+
+def _reproducer(checked, found, tmp_path, monkeypatch):
+    """`checked`'s reproducer of `found`, written and loaded as a module (not run)."""
     source = checked.reproducer(found)
     assert source is not None, f"{checked.label} has no reproducer"
     assert "import recipe" not in source and "from recipe" not in source
@@ -146,14 +159,61 @@ def test_the_reproducer_accepts_the_truth_and_passes_the_release(
     spec = importlib.util.spec_from_file_location(f"repro_{len(sys.modules)}", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    assert script.problems(checked.truth_outputs(found)) == []
     # a script that fetches a second release (ms-swift's runs on mcore-bridge) takes it from the
     # cache rather than from pip
     bridge = cache_root() / "mcore-bridge-1.6.5"
     if bridge.is_dir():
         monkeypatch.setitem(os.environ, "MCORE_BRIDGE_WHEEL", str(_wheel("mcore-bridge", "1.6.5")))
+    return script
+
+
+# The checker's last table: the functions whose newest release it FAILs (in any mode), in the
+# registry's order, and the cases it drew per mode (the draw budget below).
+RECORD = json.loads((Path(__file__).parents[1] / "docs" / "upstream.json").read_text())
+_FAILED = {
+    (r["library"], r["version"], r["function"]) for r in RECORD["rows"] if r["verdict"] == "FAIL"
+}
+FAILING = [(n, f) for n, f in FUNCTIONS if (n, _release(n), f) in _FAILED]
+
+
+def test_the_table_fails_some_newest_releases():
+    """The test below has cases: with none, the reporting side would go unproved unnoticed."""
+    assert FAILING
+
+
+@pytest.mark.parametrize("name, function", FAILING, ids=[f"{n}:{f}" for n, f in FAILING])
+def test_the_reproducer_flags_the_release_where_the_table_fails(
+    loaded, name, function, tmp_path, monkeypatch, capsys
+):
+    """Where docs/upstream.json says the newest release FAILs, the checker's draw (seed 0, options
+    drawn, not shrunk) finds a case the release fails within the table's own case count, and
+    that finding's reproducer reports it on the released wheel while accepting the truth."""
+    checked = loaded(name, function)
+
+    def release_finding(case):
+        inner, drawn = case
+        return checked.finding(inner, {k: v for k, v in drawn.items() if v is not None})
+
+    from hypothesis import strategies as st
+
+    strategy = st.tuples(checked.cases(1), options_strategy(checked, {}, True))
+    found, ran = first_case(strategy, release_finding, RECORD["cases"])
+    assert found is not None, (
+        f"{checked.label}: docs/upstream.json says FAIL, but {ran} drawn cases (seed 0) found "
+        "nothing"
+    )
+    script = _reproducer(checked, found, tmp_path, monkeypatch)
+    assert script.problems(checked.truth_outputs(found)) == [], found.describe()
     wheel = _wheel(checked.distribution, checked.version)
-    assert script.problems(script.release_outputs(wheel)) == [], checked.label
+    # its entry point, as a user runs it (`reproduce.py --wheel PATH`): exit 1 when `problems`
+    # reports the release's outputs, or when the released code itself raises on the case (its
+    # `release_outputs` raises then; the prelude's `main` tells that from a raise of its own)
+    monkeypatch.setattr(sys, "argv", ["reproduce.py", "--wheel", str(wheel)])
+    assert script.main(checked.distribution, checked.version) == 1, (
+        f"{checked.label}: the reproducer reports nothing on the release; {found.describe()}"
+    )
+    printed = capsys.readouterr().out
+    assert printed.rstrip().endswith(f"{checked.version}: REPRODUCED"), printed
 
 
 @pytest.mark.parametrize("name", list(REGISTRY))
