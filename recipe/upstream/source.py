@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.machinery
 import importlib.metadata
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -34,6 +32,7 @@ from pathlib import Path
 
 from recipe.errors import RecipeError
 from recipe.log import get_logger
+from recipe.upstream.prelude import load_stubbed
 
 log = get_logger(__name__)
 
@@ -243,42 +242,13 @@ def check_version_number(distribution: str, version: str) -> None:
         ) from None
 
 
-class _Placeholder(types.ModuleType):
-    """A stub module: every attribute is an inert class, so `from stub import Name` works."""
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = type(name, (), {"__module__": self.__name__})
-        setattr(self, name, value)
-        return value
-
-
 def load_module(path: Path, name: str, stubs: dict[str, dict]) -> types.ModuleType:
     """Execute the file at `path` as module `name`, with the modules in `stubs` (name -> the
-    attributes it must have) present only while it runs."""
-    saved = {key: sys.modules.get(key) for key in stubs}
-    for key, attributes in stubs.items():
-        module = _Placeholder(key)
-        module.__path__ = []  # a package, so stubs below it import too
-        for attribute, value in attributes.items():
-            setattr(module, attribute, value)
-        sys.modules[key] = module
+    attributes it must have) present only while it runs: the reproducers' own loader
+    (`prelude.load_stubbed`), so a script loads a release as training does."""
     try:
-        loader = importlib.machinery.SourceFileLoader(name, str(path))
-        spec = importlib.util.spec_from_loader(name, loader)
-        module = importlib.util.module_from_spec(spec)
-        try:
-            loader.exec_module(module)
-        except ImportError as err:
-            raise UpstreamUnavailable(
-                f"{path.name} needs {err.name or err} to load ({err}); install it in this "
-                "environment"
-            ) from None
-        return module
-    finally:
-        for key, before in saved.items():
-            if before is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = before
+        return load_stubbed(path, name, stubs)
+    except ImportError as err:
+        raise UpstreamUnavailable(
+            f"{path.name} needs {err.name or err} to load ({err}); install it in this environment"
+        ) from None

@@ -17,14 +17,16 @@ truth has on the same case, which `problems` must accept (the tests run both).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Self
 
-from recipe.checks.upstream.kit import prelude
 from recipe.parallel.cp.contract import Impact, assess, micro_batches
+from recipe.upstream import prelude
 from recipe.upstream.releases import Library, ParallelStateStandIn
 
 __all__ = ["Library"]  # the registry's entry type, defined where training reads it too
@@ -42,6 +44,11 @@ class Finding:
     def describe(self) -> str:
         options = ", ".join(f"{k}={v}" for k, v in self.options) or "defaults"
         return f"[{self.impact.label}] options: {options}; {self.what}"
+
+
+# An impact by the lower-case name shipped code reports it with (plain Python, which cannot
+# import `Impact`): "padding", "raises", "misplaced", "lost".
+IMPACTS = {impact.name.lower(): impact for impact in Impact}
 
 
 class CheckTarget(ABC):
@@ -91,9 +98,18 @@ class Checked(ABC):
     def broken_copy(self, part: str = "function") -> Checked:
         """The negative control: a copy with one deliberate bug, which the checker must flag."""
 
+    def broken_as(self, part: str, **fields) -> Self:
+        """A broken copy of this check: named by its broken `part`, `fields` (the broken module
+        or modules) replaced, the release, options and notes the same."""
+        return dataclasses.replace(self, name=f"{self.name} [broken copy: {part}]", **fields)
+
     def reproducer(self, finding: Finding) -> str | None:
         """A standalone script reproducing `finding` (module docstring), or None."""
         return None
+
+    def reproducer_script(self, title: str, finding: Finding, body: str) -> str:
+        """`reproducer_source` for this release: the script runs (or fetches) this version."""
+        return reproducer_source(title, finding, body, self.distribution, self.version)
 
     def truth_outputs(self, finding: Finding):
         """What the reproducer's `release_outputs` gives when the function is right."""
@@ -128,18 +144,20 @@ class ContractChecked(Checked):
                        self.sequence_parallel(options))  # fmt: skip
         if found is None:
             return None
-        return Finding(
-            {"lengths": list(lengths), "cp": cp_size, "tp": tp_size},
-            tuple(sorted(options.items())),
-            found.impact,
-            found.what,
-        )
+        return case_finding(case, options, found.impact, found.what)
+
+
+def case_finding(case, options: dict, impact: Impact, what: str) -> Finding:
+    """A finding on a (lengths, cp, tp) micro-batch with these options."""
+    lengths, cp_size, tp_size = case
+    record = {"lengths": list(lengths), "cp": cp_size, "tp": tp_size}
+    return Finding(record, tuple(sorted(options.items())), impact, what)
 
 
 def reproducer_prelude() -> str:
-    """The prelude every reproducer starts with: `kit/prelude.py`'s source, less its docstring,
-    and the one stand-in for megatron's parallel_state (`ParallelStateStandIn`, the class the
-    checks and training use, so a script plays a rank exactly as the checker did)."""
+    """The prelude every reproducer starts with: `recipe/upstream/prelude.py`'s source, less its
+    docstring, and the one stand-in for megatron's parallel_state (`ParallelStateStandIn`, the
+    class the checks and training use, so a script plays a rank exactly as the checker did)."""
     stand_in = inspect.getsource(ParallelStateStandIn)
     return shipped_module_source(prelude) + "\n\n" + stand_in
 
@@ -148,6 +166,16 @@ def shipped_module_source(module) -> str:
     """A module shipped whole into reproducers: its source, less its docstring."""
     source = inspect.getsource(module)
     return source[source.index('"""', 3) + 3 :].lstrip("\n")
+
+
+def entry_points(outputs: str, problems: str) -> str:
+    """The two functions a reproducer's body ends with, which the prelude's `main` calls:
+    `release_outputs(wheel)` returning the expression `outputs`, and `problems(outputs)`
+    returning `problems` (both over the script's globals: CASE, OPTIONS, the shipped parts)."""
+    return (
+        f"def release_outputs(wheel):\n    return {outputs}\n\n\n"
+        f"def problems(outputs):\n    return {problems}\n"
+    )
 
 
 def reproducer_source(title: str, finding: Finding, body: str, distribution: str,

@@ -8,7 +8,7 @@ enter; a plugin whose cases keep the (lengths, cp, tp) shape sets `case_rest = (
 named `size_name` in the finding's record and message ("world_size" unless the plugin says).
 The plugin gives its function's problems on a case as (level, message) pairs, level an `Impact`'s
 value; the finding is the first of the worst. Its reproducer ships real functions
-(`inspect.getsource`) after the kit's prelude: `released_outputs(wheel, case, options)` and
+(`inspect.getsource`) after the prelude: `released_outputs(wheel, case, options)` and
 `released_problems(outputs, case, options)`, which the glue below calls with CASE and OPTIONS.
 """
 
@@ -25,22 +25,17 @@ from recipe.checks.upstream.kit.checked import (
     Checked,
     CheckTarget,
     Finding,
+    entry_points,
     function_line,
-    reproducer_source,
     with_defaults,
 )
 from recipe.parallel.cp.contract import Impact, micro_batches
 from recipe.upstream.source import UpstreamUnavailable, source_file
 
 # The reproducer's entry points: the shipped functions called on the script's case.
-GLUE = """
-def release_outputs(wheel):
-    return released_outputs(wheel, CASE, OPTIONS)
-
-
-def problems(outputs):
-    return released_problems(outputs, CASE, OPTIONS)
-"""
+GLUE = entry_points(
+    "released_outputs(wheel, CASE, OPTIONS)", "released_problems(outputs, CASE, OPTIONS)"
+)
 
 
 # ---- shipped into reproducers (inspect.getsource): plain Python, no module globals ---------
@@ -59,6 +54,17 @@ def packed_cu_seqlens(lengths, parts, padding):
     elif pad:
         bounds[-1] += pad
     return bounds
+
+
+def each_rank(call, world_size):
+    """`call(rank)` on every rank, JSON-able: what it returns, or what it raised."""
+    outputs = []
+    for rank in range(world_size):
+        try:
+            outputs.append(call(rank))
+        except Exception as err:  # noqa: BLE001 (a raise on a valid input is what is reported)
+            outputs.append({"raises": f"{type(err).__name__}: {err}"})
+    return outputs
 
 
 def lost_tokens(tokens, present, stride):
@@ -187,7 +193,7 @@ class ModuleChecked(Checked):
     def reproducer(self, finding: Finding) -> str:
         body = reproducer_body(self.shipped, self.shipped_constants())
         title = f"{self.label}: {self.title}"
-        return reproducer_source(title, finding, body, self.distribution, self.version)
+        return self.reproducer_script(title, finding, body)
 
 
 class ModuleTarget(CheckTarget):

@@ -17,7 +17,6 @@ from recipe.checks.upstream.kit.checked import (
     ContractChecked,
     Finding,
     function_line,
-    reproducer_source,
 )
 from recipe.checks.upstream.kit.layouts import GatherStandIn
 from recipe.parallel.cp.contract import Impact, global_batch, index_preprocess
@@ -52,8 +51,12 @@ class ReleasedTarget(CheckTarget):
         return load(library, version, self.target)
 
 
-def released_targets(library: str) -> tuple[ReleasedTarget, ...]:
-    return tuple(ReleasedTarget(t) for t in releases.LIBRARIES[library].targets)
+def released_library(library: str, own: tuple[CheckTarget, ...]) -> releases.Library:
+    """`library` as training lists it (`releases.LIBRARIES`): the functions training can call,
+    then the plugin's `own` targets."""
+    listed = releases.LIBRARIES[library]
+    targets = (*(ReleasedTarget(t) for t in listed.targets), *own)
+    return releases.Library(listed.distribution, targets, listed.releases)
 
 
 def load(library: str, version: str | None, target: releases.Target) -> Loaded:
@@ -134,7 +137,7 @@ class Loaded(ContractChecked):
             f"{self.label} ({self.file}:{self.line}): {finding.impact.label} on "
             f"{_case_text(finding.case)}"
         )
-        return reproducer_source(title, finding, body, self.distribution, self.version)
+        return self.reproducer_script(title, finding, body)
 
     def truth_outputs(self, finding: Finding) -> list[dict]:
         """Every rank's fields from the ground truth (the recipe's index) on the case."""

@@ -11,7 +11,8 @@ import inspect
 
 import torch
 
-from recipe.checks.upstream.kit.prelude import load_from_wheel
+from recipe.checks.upstream.kit.checked import entry_points
+from recipe.upstream.prelude import load_from_wheel
 from recipe.upstream.releases import ParallelStateStandIn
 
 
@@ -101,11 +102,8 @@ def script(helpers: tuple, fields_name: str, constants: dict) -> str:
     parts = (*helpers, case_sequences, call_outputs, zigzag_problems)
     sources = "\n\n\n".join(inspect.getsource(part).strip() for part in parts)
     values = "".join(f"{name} = {value!r}\n" for name, value in constants.items())
-    glue = (
-        "def release_outputs(wheel):\n"
-        f"    return call_outputs(wheel, FILE, STUBS, FUNCTION, {fields_name}, CASE, OPTIONS)\n"
-        "\n\n"
-        "def problems(outputs):\n"
-        "    return zigzag_problems(outputs, CASE)\n"
+    glue = entry_points(
+        f"call_outputs(wheel, FILE, STUBS, FUNCTION, {fields_name}, CASE, OPTIONS)",
+        "zigzag_problems(outputs, CASE)",
     )
     return f"import torch\n\n{values}\n\n{sources}\n\n\n{glue}"

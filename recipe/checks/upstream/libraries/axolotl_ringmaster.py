@@ -75,10 +75,10 @@ from recipe.checks.upstream.kit.module_checked import (
     lost_tokens,
     slot_problems,
 )
-from recipe.checks.upstream.kit.prelude import load_from_wheel
 from recipe.data.packing import pack_sequences
 from recipe.parallel.cp.contract import PAD_ID, unique_sequences
 from recipe.parallel.cp.zigzag import zigzag_index
+from recipe.upstream.prelude import load_from_wheel
 from recipe.upstream.releases import partition_options
 from recipe.upstream.source import load_module
 

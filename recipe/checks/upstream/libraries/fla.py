@@ -64,8 +64,13 @@ from __future__ import annotations
 
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import Finding, Library
-from recipe.checks.upstream.kit.module_checked import ModuleChecked, ModuleTarget, packed_cu_seqlens
-from recipe.checks.upstream.kit.prelude import load_from_wheel
+from recipe.checks.upstream.kit.module_checked import (
+    ModuleChecked,
+    ModuleTarget,
+    each_rank,
+    packed_cu_seqlens,
+)
+from recipe.upstream.prelude import load_from_wheel
 from recipe.upstream.releases import partition_options
 from recipe.upstream.source import load_module
 
@@ -125,23 +130,20 @@ def call_outputs(function, bounds, world_size, layout):
     """Every rank's context, JSON-able: its fields, or what it raised."""
     import torch
 
-    outputs = []
-    for rank in range(world_size):
-        try:
-            cu = torch.tensor(bounds, dtype=torch.int32)
-            ctx = function(cu, world_size=world_size, rank=rank, layout=layout)
-            out = {"layout": ctx.layout, "conv1d_kernel_size": ctx.conv1d_kernel_size}
-            for name in ("cu_seqlens", "cu_seqlens_cpu"):
-                value = getattr(ctx, name)
-                out[name] = None if value is None else [int(v) for v in value.tolist()]
-            names = SCALARS if layout == "contiguous" else (*BY_PART, "part_len", "front_num_seqs")
-            for name in names:
-                value = getattr(ctx, name)
-                out[name] = list(value) if isinstance(value, tuple) else value
-            outputs.append(out)
-        except Exception as err:  # noqa: BLE001 (a raise on a valid input is what is reported)
-            outputs.append({"raises": f"{type(err).__name__}: {err}"})
-    return outputs
+    def fields(rank):
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        ctx = function(cu, world_size=world_size, rank=rank, layout=layout)
+        out = {"layout": ctx.layout, "conv1d_kernel_size": ctx.conv1d_kernel_size}
+        for name in ("cu_seqlens", "cu_seqlens_cpu"):
+            value = getattr(ctx, name)
+            out[name] = None if value is None else [int(v) for v in value.tolist()]
+        names = SCALARS if layout == "contiguous" else (*BY_PART, "part_len", "front_num_seqs")
+        for name in names:
+            value = getattr(ctx, name)
+            out[name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    return each_rank(fields, world_size)
 
 
 def stream_bounds(lengths, world_size, layout, padding):
@@ -280,9 +282,9 @@ class ContextChecked(ModuleChecked):
 
     function_name = FUNCTION
     defaults = DEFAULTS
-    shipped = (tensor_cache, context_stubs, packed_cu_seqlens, stream_bounds, call_outputs,
-               slots_of_rank, part_truth, reference_outputs, context_problems, released_outputs,
-               released_problems)  # fmt: skip
+    shipped = (tensor_cache, context_stubs, packed_cu_seqlens, each_rank, stream_bounds,
+               call_outputs, slots_of_rank, part_truth, reference_outputs, context_problems,
+               released_outputs, released_problems)  # fmt: skip
     title = "each rank's local cu_seqlens and state/conv metadata"
 
     def case_problems(self, lengths, world_size, chosen):

@@ -339,8 +339,7 @@ class OpenRLHFChecked(Checked):
         option = self.option(dict(finding.options))[1]
         head = f"RELATIVE = {self.file!r}\nKIND = {self.kind!r}\nOPTION = {option!r}"
         title = f"{self.label}: every rank of one batch, against the contiguous layout"
-        return checked.reproducer_source(title, finding, f"{head}\n\n{SHARED}\n{BODY}",
-                                         self.distribution, self.version)  # fmt: skip
+        return self.reproducer_script(title, finding, f"{head}\n\n{SHARED}\n{BODY}")
 
     def truth_outputs(self, finding: Finding) -> dict:
         """The right outputs, stated again in torch: the stream chunked W ways."""

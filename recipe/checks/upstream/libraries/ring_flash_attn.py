@@ -54,8 +54,13 @@ from __future__ import annotations
 
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import Finding, Library
-from recipe.checks.upstream.kit.module_checked import ModuleChecked, ModuleTarget, packed_cu_seqlens
-from recipe.checks.upstream.kit.prelude import load_from_wheel
+from recipe.checks.upstream.kit.module_checked import (
+    ModuleChecked,
+    ModuleTarget,
+    each_rank,
+    packed_cu_seqlens,
+)
+from recipe.upstream.prelude import load_from_wheel
 from recipe.upstream.releases import partition_options
 from recipe.upstream.source import load_module
 
@@ -97,27 +102,22 @@ def call_outputs(function, bounds, causal, world_size):
     """What every rank's call returns, JSON-able: its fields, or what it raised."""
     import torch
 
-    outputs = []
-    for rank in range(world_size):
-        try:
-            returned = function(torch.tensor(bounds, dtype=torch.int32), causal, rank, world_size)
-            cu_q, cu_k, max_q, max_k, local = returned
-            outputs.append(
-                {
-                    "cu_seqlens_q": [int(v) for v in cu_q.tolist()],
-                    "cu_seqlens_k": [int(v) for v in cu_k.tolist()],
-                    "dtype_q": str(cu_q.dtype).removeprefix("torch."),
-                    "dtype_k": str(cu_k.dtype).removeprefix("torch."),
-                    "max_seqlen_q": int(max_q),
-                    "max_seqlen_k": int(max_k),
-                    "local_k_slice": [
-                        None if v is None else int(v) for v in (local.start, local.stop, local.step)
-                    ],
-                }
-            )
-        except Exception as err:  # noqa: BLE001 (a raise on a valid input is what is reported)
-            outputs.append({"raises": f"{type(err).__name__}: {err}"})
-    return outputs
+    def fields(rank):
+        returned = function(torch.tensor(bounds, dtype=torch.int32), causal, rank, world_size)
+        cu_q, cu_k, max_q, max_k, local = returned
+        return {
+            "cu_seqlens_q": [int(v) for v in cu_q.tolist()],
+            "cu_seqlens_k": [int(v) for v in cu_k.tolist()],
+            "dtype_q": str(cu_q.dtype).removeprefix("torch."),
+            "dtype_k": str(cu_k.dtype).removeprefix("torch."),
+            "max_seqlen_q": int(max_q),
+            "max_seqlen_k": int(max_k),
+            "local_k_slice": [
+                None if v is None else int(v) for v in (local.start, local.stop, local.step)
+            ],
+        }
+
+    return each_rank(fields, world_size)
 
 
 def kernel_spans(out, per_rank, total, causal):
@@ -268,7 +268,7 @@ class PrepareChecked(ModuleChecked):
 
     function_name = FUNCTION
     defaults = DEFAULTS
-    shipped = (prepare_stubs, packed_cu_seqlens, call_outputs, kernel_spans, refused,
+    shipped = (prepare_stubs, packed_cu_seqlens, each_rank, call_outputs, kernel_spans, refused,
                span_problems, reference_outputs, released_outputs, released_problems)  # fmt: skip
     title = "the attention spans its outputs give flash-attn's varlen kernel"
 

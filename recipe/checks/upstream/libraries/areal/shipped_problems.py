@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from recipe.checks.upstream.libraries.areal.shipped_run import (
     GatherStandIn,
-    case_values,
     engine_statements,
     load_modules,
     micro_batch,
@@ -20,6 +19,7 @@ from recipe.checks.upstream.libraries.areal.shipped_run import (
     split_on_rank,
     split_outputs,
 )
+from recipe.parallel.cp.contract import unique_sequences
 
 # ---- shipped into reproducers: self-contained (imports inside, no module globals) ----------
 
@@ -45,7 +45,7 @@ def padded_stream(lengths, cu):
     tokens = torch.zeros(total, dtype=torch.float64)
     labels = torch.full((total,), -1.0, dtype=torch.float64)
     where = [None] * total
-    for i, seq in enumerate(case_values(lengths)):
+    for i, seq in enumerate(unique_sequences(lengths)):
         for p, token in enumerate(seq):
             tokens[cu[i] + p] = token
             where[cu[i] + p] = (i, p)
@@ -166,7 +166,7 @@ def reassembly_problems(outputs, case):
 
     if outputs["error"]:
         return [("raises", outputs["error"])]
-    seqs = case_values(case["lengths"])
+    seqs = unique_sequences(case["lengths"])
     want = torch.tensor([t for s in seqs for t in s], dtype=torch.float64)
     where = [(i, p) for i, s in enumerate(seqs) for p in range(len(s))]
     real = torch.ones(want.numel(), dtype=torch.bool)
@@ -220,7 +220,7 @@ SHIPPED = (
     run_statements,
     GatherStandIn,
     load_modules,
-    case_values,
+    unique_sequences,  # the contract's own tokens: plain Python, shipped as they are
     micro_batch,
     split_on_rank,
     split_outputs,

@@ -6,6 +6,7 @@ here is self-contained (imports inside, no module globals but the shipped ones).
 
 from __future__ import annotations
 
+from recipe.parallel.cp.contract import unique_sequences
 from recipe.upstream.releases import ParallelStateStandIn
 
 # ---- shipped into reproducers: self-contained (imports inside, no module globals) ----------
@@ -132,12 +133,6 @@ def load_modules(load) -> dict:
     return {"pcp": pcp, "data": data, "constants": constants}
 
 
-def case_values(lengths):
-    """Token ids unique over the micro-batch (0 is padding), as the contract draws them."""
-    stride = max(lengths) + 1
-    return [[1 + stride * i + j for j in range(n)] for i, n in enumerate(lengths)]
-
-
 def micro_batch(modules, statements, values, cp, tp, options):
     """The engine's padded micro-batch of these per-token tensors (one per sequence):
     (padded_mb, padding_length, old_cu_seqlens), by the engine's own alignment and pad call."""
@@ -202,7 +197,7 @@ def split_outputs(modules, statements, case, options):
     """Every rank's tokens and labels, and the layout, or the error the run raised."""
     import torch
 
-    values = [torch.tensor(s, dtype=torch.int64) for s in case_values(case["lengths"])]
+    values = [torch.tensor(s, dtype=torch.int64) for s in unique_sequences(case["lengths"])]
     ranks = []
     try:
         padded_mb = micro_batch(modules, statements, values, case["cp"], case["tp"], options)[0]
@@ -222,7 +217,7 @@ def shards_and_stream(modules, statements, case, options):
     import torch
 
     pcp = modules["pcp"]
-    values = [torch.tensor(s, dtype=torch.float64) for s in case_values(case["lengths"])]
+    values = [torch.tensor(s, dtype=torch.float64) for s in unique_sequences(case["lengths"])]
     padded_mb, padding, old_cu = micro_batch(
         modules, statements, values, case["cp"], case["tp"], options
     )

@@ -12,12 +12,12 @@ import torch
 
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
+    IMPACTS,
     Checked,
     CheckTarget,
     ContractChecked,
     Finding,
     function_line,
-    reproducer_source,
 )
 from recipe.checks.upstream.libraries.areal.release import (
     ENGINE,
@@ -37,22 +37,14 @@ from recipe.checks.upstream.libraries.areal.shipped_problems import (
     reassembly_problems,
 )
 from recipe.checks.upstream.libraries.areal.shipped_run import (
-    case_values,
     micro_batch,
     postprocess_outputs,
     reassembly_outputs,
     split_on_rank,
 )
-from recipe.parallel.cp.contract import Impact, global_batch
+from recipe.parallel.cp.contract import Impact, global_batch, unique_sequences
 from recipe.parallel.cp.zigzag import zigzag_index
 from recipe.upstream.source import UpstreamUnavailable
-
-IMPACTS = {
-    "padding": Impact.PADDING,
-    "raises": Impact.RAISES,
-    "misplaced": Impact.MISPLACED,
-    "lost": Impact.LOST,
-}
 
 
 def _case_text(case) -> str:
@@ -215,7 +207,7 @@ def problems(outputs):
             f"{self.library}@{self.version} {self.name} ({self.file}:{self.line}), run as "
             "AReaL's Megatron engine runs it"
         )
-        return reproducer_source(title, finding, body, self.distribution, self.version)
+        return self.reproducer_script(title, finding, body)
 
 
 def _finding(case, options, found) -> Finding | None:
@@ -282,7 +274,7 @@ class SplitChecked(_ArealChecked, ContractChecked):
 
     def truth_outputs(self, finding: Finding):
         case = finding.case
-        sequences = case_values(case["lengths"])
+        sequences = unique_sequences(case["lengths"])
         batch = global_batch(sequences, case["cp"], case["tp"])
         ranks = []
         for rank in range(case["cp"]):
@@ -318,7 +310,7 @@ class ReassemblyChecked(_ArealChecked, Checked):
         return self._reproducer(finding, "reassembly_outputs", "reassembly_problems(outputs, CASE)")
 
     def truth_outputs(self, finding: Finding):
-        seqs = case_values(finding.case["lengths"])
+        seqs = unique_sequences(finding.case["lengths"])
         values = torch.tensor([t for s in seqs for t in s], dtype=torch.float64)
         return {"error": None, "ranks": [values.clone() for _ in range(finding.case["cp"])]}
 
@@ -355,7 +347,7 @@ class PostprocessChecked(_ArealChecked, Checked):
     def truth_outputs(self, finding: Finding):
         case, options = finding.case, dict(finding.options)
         width = options.get("output_width", 3)
-        batch = global_batch(case_values(case["lengths"]), case["cp"], case["tp"])
+        batch = global_batch(unique_sequences(case["lengths"]), case["cp"], case["tp"])
         cu = batch.cu_seqlens_padded
         full = batch.input_ids.to(torch.float64)[:, None] + torch.arange(width) / 4
         ranks = []

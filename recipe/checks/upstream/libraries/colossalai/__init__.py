@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from recipe.checks.upstream.kit import checked, layouts
+from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import CheckTarget, ContractChecked, Finding, Library
 from recipe.checks.upstream.libraries.colossalai.shipped import (
     ATTN,
@@ -213,7 +213,7 @@ class ColossalChecked(ContractChecked):
     def reproducer(self, finding: Finding) -> str:
         body = reproducer_body(self.kind)
         title = f"{self.label}: every rank of one batch ({NOTES[self.kind]})"
-        return checked.reproducer_source(title, finding, body, self.distribution, self.version)
+        return self.reproducer_script(title, finding, body)
 
     def truth_outputs(self, finding: Finding) -> dict:
         lengths, cp_size, tp_size = (finding.case[k] for k in ("lengths", "cp", "tp"))

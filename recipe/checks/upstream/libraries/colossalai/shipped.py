@@ -1,5 +1,5 @@
 """The code ColossalAI's reproducers ship, as real code: `reproducer_body` copies the functions
-below into the standalone script by `inspect.getsource` (after the kit's prelude, which provides
+below into the standalone script by `inspect.getsource` (after the prelude, which provides
 `load_from_wheel`), with the constants they read written out, then `kit.layouts.REFERENCE` (its
 `_sequences` and the zigzag `problems`) and a few lines of glue. The checker calls the same
 `Dist`, `rank_outputs`, `rows_truth` and `row_problems` (`__init__.py`), so a script calls and
@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 
 from recipe.checks.upstream.kit import layouts
-from recipe.checks.upstream.kit.prelude import load_from_wheel
+from recipe.upstream.prelude import load_from_wheel
 
 UTILS, ATTN = "colossalai/shardformer/layer/utils.py", "colossalai/shardformer/layer/attn.py"
 STUBS = ("colossalai", "colossalai.accelerator", "colossalai.kernel",

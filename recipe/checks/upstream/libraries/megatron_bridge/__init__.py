@@ -72,7 +72,7 @@ prelude ships.
 
 from __future__ import annotations
 
-from recipe.checks.upstream.kit.released import released_targets
+from recipe.checks.upstream.kit.released import released_library
 from recipe.checks.upstream.libraries.megatron_bridge.common import (
     FIXED,
     METADATA,
@@ -103,7 +103,6 @@ from recipe.checks.upstream.libraries.megatron_bridge.targets import (
     SliceBatchChecked,
     SliceBatchTarget,
 )
-from recipe.upstream import releases
 
 __all__ = [
     "COMMON_UTILS", "DSV4_STEP", "FIXED", "GPT_STEP", "KIMI", "LIBRARY", "MCORE_SPLIT",
@@ -118,8 +117,4 @@ RELEASES = ("0.6.2",)
 TARGETS = (GptStepTarget(), SliceBatchTarget(), ContiguousTarget(), KimiTarget())
 
 # The functions training can call (releases.LIBRARIES), then this package's own.
-LIBRARY = releases.Library(
-    releases.LIBRARIES["megatron-bridge"].distribution,
-    (*released_targets("megatron-bridge"), *TARGETS),
-    releases.LIBRARIES["megatron-bridge"].releases,
-)
+LIBRARY = released_library("megatron-bridge", TARGETS)

@@ -15,8 +15,8 @@ from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
     ContractChecked,
     Finding,
+    case_finding,
     function_line,
-    reproducer_source,
 )
 from recipe.checks.upstream.libraries.megatron_bridge.reproducer import reproducer_body
 from recipe.checks.upstream.libraries.megatron_bridge.shipped import (
@@ -105,9 +105,9 @@ class PackedSplitChecked(ContractChecked):
             weighted = fields["loss_mask"][keep:].nonzero()
             if weighted.numel():
                 slot = keep + int(weighted[0])
-                return Finding(
-                    {"lengths": list(lengths), "cp": cp_size, "tp": tp_size},
-                    tuple(sorted(options.items())),
+                return case_finding(
+                    case,
+                    options,
                     Impact.MISPLACED,
                     f"{case_head(lengths, cp_size, tp_size)}: rank {rank}, local slot {slot} "
                     f"(past the last sequence): loss_mask expected 0, got "
@@ -118,20 +118,11 @@ class PackedSplitChecked(ContractChecked):
     def finding(self, case, options: dict) -> Finding | None:
         return layouts.worst(super().finding(case, options), self.tail_finding(case, options))
 
-    def copy_with(self, modules: dict, part: str) -> PackedSplitChecked:
-        return type(self)(
-            self.library, self.version, f"{self.name} [broken copy: {part}]", self.distribution,
-            self.file, self.drawn, self.skipped, self.notes, modules=modules,
-            function_name=self.function_name, shipped=self.shipped,
-        )  # fmt: skip
-
     def reproducer(self, finding: Finding) -> str:
-        return reproducer_source(
+        return self.reproducer_script(
             f"{self.label}: the CP split of one packed micro-batch on every rank",
             finding,
             reproducer_body(*self.shipped),
-            self.distribution,
-            self.version,
         )
 
     def truth_outputs(self, finding: Finding) -> dict:

@@ -15,7 +15,6 @@ from recipe.checks.upstream.kit.checked import (
     CheckTarget,
     Finding,
     function_line,
-    reproducer_source,
 )
 from recipe.checks.upstream.libraries.megatron_bridge.common import (
     PACKED_INPUT,
@@ -112,19 +111,13 @@ class ContiguousChecked(Checked):
             self.module, (self.function_name,), self.function_name,
             "start = cp_rank * local_len", "start = cp_rank * local_len + 1", label=self.label,
         )  # fmt: skip
-        return ContiguousChecked(
-            self.library, self.version, f"{self.name} [broken copy: {part}]", self.distribution,
-            self.file, self.drawn, self.skipped, self.notes, modules={"main": broken},
-            function_name=self.function_name,
-        )  # fmt: skip
+        return self.broken_as(part, modules={"main": broken})
 
     def reproducer(self, finding: Finding) -> str:
-        return reproducer_source(
+        return self.reproducer_script(
             f"{self.label}: the contiguous CP split of one packed micro-batch on every rank",
             finding,
             reproducer_body(contiguous_release_outputs, contiguous_stubs),
-            self.distribution,
-            self.version,
         )
 
     def truth_outputs(self, finding: Finding) -> dict:

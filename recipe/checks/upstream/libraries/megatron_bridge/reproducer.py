@@ -1,7 +1,7 @@
 """The Megatron-Bridge reproducers, as real code: `reproducer_body` writes the script's body from
 the sources (`inspect.getsource`) of `kit.layouts.GroupStandIn`, the shared parts
 (`shipped.py`), the functions below and, last, `kit.layouts.REFERENCE` (the ground truth's
-`problems`); the kit's prelude (`load_from_wheel`, `main`) and the case (CASE, OPTIONS) come
+`problems`); the prelude (`load_from_wheel`, `main`) and the case (CASE, OPTIONS) come
 before it (`reproducer_source`). Each target has its own `*_release_outputs(wheel)`, which the
 script also names `release_outputs`, the name the prelude's `main` calls.
 
@@ -17,7 +17,6 @@ import inspect
 
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.layouts import GroupStandIn
-from recipe.checks.upstream.kit.prelude import load_from_wheel
 from recipe.checks.upstream.libraries.megatron_bridge.shipped import (
     COMMON_UTILS,
     DSV4_STEP,
@@ -36,6 +35,7 @@ from recipe.checks.upstream.libraries.megatron_bridge.shipped import (
     split_fields,
 )
 from recipe.parallel.cp.contract import unique_sequences as _sequences
+from recipe.upstream.prelude import load_from_wheel
 from recipe.upstream.releases import ParallelStateStandIn
 
 # The script's case, which `reproducer_source` writes before the body.

@@ -67,7 +67,7 @@ class GptStepChecked(PackedSplitChecked):
             'cu_seqlens = batch.get("cu_seqlens_q")',
             label=self.label,
         )  # fmt: skip
-        return self.copy_with({**self.modules, "main": broken}, part)
+        return self.broken_as(part, modules={**self.modules, "main": broken})
 
 
 class GptStepTarget(CheckTarget):
@@ -132,7 +132,7 @@ class SliceBatchChecked(PackedSplitChecked):
             overrides={"get_packed_seq_cp_partition_indices":
                        psu.get_packed_seq_cp_partition_indices},
         )  # fmt: skip
-        return self.copy_with({"main": main, "packed_seq_utils": psu}, part)
+        return self.broken_as(part, modules={"main": main, "packed_seq_utils": psu})
 
 
 _VLM_METADATA = (
@@ -190,7 +190,7 @@ class KimiChecked(PackedSplitChecked):
             "index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 2], device=val.device)",
             label=self.label,
         )  # fmt: skip
-        return self.copy_with({"main": broken}, part)
+        return self.broken_as(part, modules={"main": broken})
 
 
 class KimiTarget(CheckTarget):

@@ -16,7 +16,6 @@ from recipe.checks.upstream.kit.checked import (
     ContractChecked,
     Finding,
     function_line,
-    reproducer_source,
 )
 from recipe.checks.upstream.libraries.ms_swift.batch_reproducer import batch_body
 from recipe.checks.upstream.libraries.ms_swift.release import (
@@ -331,13 +330,11 @@ class BatchChecked(ContractChecked):
         return broken
 
     def reproducer(self, finding: Finding) -> str | None:
-        return reproducer_source(
+        return self.reproducer_script(
             f"{self.label} ({self.file}:{self.line}) on {BRIDGE} {self.swift.bridge_version}: "
             "what one CP rank trains on after ms-swift's collator and prepare_batch",
             finding,
             batch_body(BATCH_DEFAULTS, self.swift.bridge_version),
-            self.distribution,
-            self.version,
         )
 
     def truth_outputs(self, finding: Finding):

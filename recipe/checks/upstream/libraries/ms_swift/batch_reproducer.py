@@ -1,5 +1,5 @@
 """The reproducer of ms-swift's batch path (collator, prepare_batch, get_batch_on_this_cp_rank
-on mcore-bridge's split), as real code shipped by `inspect.getsource` after the kit's prelude and
+on mcore-bridge's split), as real code shipped by `inspect.getsource` after the prelude and
 the shared parts of `reproducers.py`."""
 
 from __future__ import annotations
@@ -8,15 +8,16 @@ import os
 import sys
 import types
 
-from recipe.checks.upstream.kit.prelude import fetch_wheel, load_from_wheel
+from recipe.checks.upstream.kit.checked import entry_points
 from recipe.checks.upstream.libraries.ms_swift.reproducers import (
     COMMON,
     SPLIT_TRUTH,
     logger,
     megatron_stand_in,
     script,
-    sequences,
 )
+from recipe.parallel.cp.contract import unique_sequences
+from recipe.upstream.prelude import fetch_wheel, load_from_wheel
 from recipe.upstream.releases import ParallelStateStandIn
 
 
@@ -140,7 +141,7 @@ def batch_outputs(wheel, bridge_version, case, o):
         is_multimodal=o["is_multimodal"],
         cp_partition_mode=o["cp_partition_mode"],
     )
-    seqs = sequences(case["lengths"])
+    seqs = unique_sequences(case["lengths"])
     outputs = {"ranks": []}
     # asked at call time
     sys.modules["transformers.utils"] = types.SimpleNamespace(is_torch_npu_available=lambda: False)
@@ -195,12 +196,8 @@ def batch_body(defaults: dict, bridge_version: str) -> str:
     return script(
         (*COMMON, *SPLIT_TRUTH, load_swift_path, batch_outputs),
         {"DEFAULTS": defaults, "BRIDGE_VERSION": bridge_version},
-        """
-def release_outputs(wheel):
-    return batch_outputs(wheel, BRIDGE_VERSION, CASE, {**DEFAULTS, **OPTIONS})
-
-
-def problems(outputs):
-    return split_problems(outputs, CASE, OPTIONS)
-""",
+        entry_points(
+            "batch_outputs(wheel, BRIDGE_VERSION, CASE, {**DEFAULTS, **OPTIONS})",
+            "split_problems(outputs, CASE, OPTIONS)",
+        ),
     )

@@ -1,5 +1,5 @@
 """The reproducer of the inverses' findings (a CP round trip through `reconstruct_tensor_cp`),
-as real code shipped by `inspect.getsource` after the kit's prelude and the shared parts of
+as real code shipped by `inspect.getsource` after the prelude and the shared parts of
 `reproducers.py`. The inverses' undo is megatron-core's `_undo_attention_load_balancing`, so the
 ms-swift utils and mcore-bridge scripts need megatron-core; TransformerEngine's partition kernel
 is played by the checker's own transcription (`reproducers.TEPartitionStandIn`)."""
@@ -10,7 +10,7 @@ import types
 
 import torch
 
-from recipe.checks.upstream.kit.prelude import load_from_wheel
+from recipe.checks.upstream.kit.checked import entry_points
 from recipe.checks.upstream.libraries.ms_swift.reproducers import (
     COMMON,
     PackedSeqParams,
@@ -19,6 +19,7 @@ from recipe.checks.upstream.libraries.ms_swift.reproducers import (
     megatron_stand_in,
     script,
 )
+from recipe.upstream.prelude import load_from_wheel
 from recipe.upstream.releases import ParallelStateStandIn
 
 
@@ -172,12 +173,7 @@ def round_trip_body(spec: dict) -> str:
     return script(
         parts,
         {"SPEC": spec},
-        """
-def release_outputs(wheel):
-    return round_trip_outputs(wheel, CASE, SPEC)
-
-
-def problems(outputs):
-    return round_trip_problems(outputs, CASE, SPEC)
-""",
+        entry_points(
+            "round_trip_outputs(wheel, CASE, SPEC)", "round_trip_problems(outputs, CASE, SPEC)"
+        ),
     )

@@ -1,5 +1,5 @@
 """The reproducers of ms-swift's and mcore-bridge's findings, as real code: the functions below
-are shipped into each standalone script by `inspect.getsource` (after the kit's prelude, which
+are shipped into each standalone script by `inspect.getsource` (after the prelude, which
 provides `Placeholder`, `fetch_wheel` and `load_from_wheel`), so they are linted and scanned like
 the rest. They need torch and the wheels only: megatron imports are answered by placeholders (the
 split path calls none of it but PackedSeqParams, a record), and the ground truth is written out
@@ -16,7 +16,9 @@ import sys
 
 import torch
 
-from recipe.checks.upstream.kit.prelude import Placeholder, load_from_wheel
+from recipe.checks.upstream.kit.checked import entry_points
+from recipe.parallel.cp.contract import unique_sequences
+from recipe.upstream.prelude import Placeholder, load_from_wheel
 from recipe.upstream.releases import ParallelStateStandIn
 
 # The script's own imports: the shipped classes below subclass importlib.abc at definition time.
@@ -99,12 +101,6 @@ def logger(*args, **kwargs):
     return logging.getLogger("repro")
 
 
-def sequences(lengths):
-    """Token ids unique over the micro-batch (0 is padding)."""
-    stride = max(lengths) + 1
-    return [[1 + stride * i + j for j in range(n)] for i, n in enumerate(lengths)]
-
-
 def expected_slots(layout, rows, width, cp, rank, mode):
     """The global slots rank `rank` must hold: zigzag chunks rank and 2*cp-1-rank of every
     sample (the tail's padding in segments of 2*cp), or block `rank` of every row."""
@@ -128,7 +124,7 @@ def split_problems(outputs, case, options):
     0 on padding."""
     found = []
     layout, rows, width = outputs["layout"], outputs["rows"], outputs["width"]
-    seqs = sequences(case["lengths"])
+    seqs = unique_sequences(case["lengths"])
     total = rows * width
     token, position, label, weight = [0] * total, [None] * total, [None] * total, [0] * total
     owner = ["padding"] * total
@@ -172,7 +168,7 @@ def split_outputs(wheel, case, o):
             package="mcore_bridge.utils",
         )
     cp, tp = case["cp"], case["tp"]
-    seqs = sequences(case["lengths"])
+    seqs = unique_sequences(case["lengths"])
     unit = 2 * cp * tp
     padded = [-(-len(s) // unit) * unit for s in seqs]
     rows = len(seqs) if o["cu_seqlens"] == "rows" else 1
@@ -217,7 +213,7 @@ COMMON = (
     megatron_stand_in,
     TEPartitionStandIn,
     logger,
-    sequences,
+    unique_sequences,  # the contract's own tokens: plain Python, shipped as they are
 )
 SPLIT_TRUTH = (expected_slots, split_problems)
 
@@ -234,12 +230,8 @@ def split_body(defaults: dict) -> str:
     return script(
         (*COMMON, *SPLIT_TRUTH, split_outputs),
         {"DEFAULTS": defaults},
-        """
-def release_outputs(wheel):
-    return split_outputs(wheel, CASE, {**DEFAULTS, **OPTIONS})
-
-
-def problems(outputs):
-    return split_problems(outputs, CASE, OPTIONS)
-""",
+        entry_points(
+            "split_outputs(wheel, CASE, {**DEFAULTS, **OPTIONS})",
+            "split_problems(outputs, CASE, OPTIONS)",
+        ),
     )

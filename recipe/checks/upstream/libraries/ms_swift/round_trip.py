@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from recipe.checks.upstream.kit import layouts
-from recipe.checks.upstream.kit.checked import Checked, Finding, function_line, reproducer_source
+from recipe.checks.upstream.kit.checked import Checked, Finding, function_line
 from recipe.checks.upstream.libraries.ms_swift.batch import (
     PATH_DEFAULTS,
     PATH_DRAWN,
@@ -248,13 +248,11 @@ class _RoundTripChecked(Checked):
 
     def reproducer(self, finding: Finding) -> str | None:
         _, spec = self._spec(finding)
-        return reproducer_source(
+        return self.reproducer_script(
             f"{self.label} ({self.file}:{self.line}): a CP round trip, each rank gathering "
             "every rank's shard back",
             finding,
             round_trip_body(spec),
-            self.distribution,
-            self.version,
         )
 
     def truth_outputs(self, finding: Finding):

@@ -15,7 +15,6 @@ from recipe.checks.upstream.kit.checked import (
     ContractChecked,
     Finding,
     function_line,
-    reproducer_source,
 )
 from recipe.checks.upstream.libraries.ms_swift.release import (
     Target,
@@ -130,12 +129,10 @@ class SplitChecked(ContractChecked):
         return broken
 
     def reproducer(self, finding: Finding) -> str | None:
-        return reproducer_source(
+        return self.reproducer_script(
             f"{self.label} ({self.file}:{self.line}): one CP rank's split of a packed micro-batch",
             finding,
             split_body(SPLIT_DEFAULTS),
-            self.distribution,
-            self.version,
         )
 
     def truth_outputs(self, finding: Finding):

@@ -1,4 +1,4 @@
-"""A finding's standalone reproducer: the kit's prelude, then the shipped parts of a truth module
+"""A finding's standalone reproducer: the prelude, then the shipped parts of a truth module
 (`PACKER_SHIPPED`, `MTP_SHIPPED`) and the two functions below, verbatim by `inspect.getsource` (so
 they are linted and scanned like the rest), the truth's constants and the release's file and
 function by value, and two lines of glue.
@@ -11,7 +11,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from recipe.checks.upstream.kit.prelude import scratch_folder
+from recipe.checks.upstream.kit.checked import entry_points
 from recipe.checks.upstream.libraries.nemo_automodel.mtp_truth import (
     MTP_CONSTANTS,
     MTP_SHIPPED,
@@ -24,6 +24,7 @@ from recipe.checks.upstream.libraries.nemo_automodel.packer_truth import (
     call_packer,
     pack_problems,
 )
+from recipe.upstream.prelude import scratch_folder
 
 
 def load_release(wheel, relative):
@@ -51,16 +52,6 @@ def named_problems(found):
 # The script's own imports (the prelude's are the rest, and its scratch_folder).
 SCRIPT_IMPORTS = "import math\n"
 
-# The glue: the entry points a reproducer defines; {call} runs the release, {check} judges it.
-ENTRY = """
-def release_outputs(wheel):
-    return {call}(load_release(wheel, RELATIVE), FUNCTION, CASE, OPTIONS)
-
-
-def problems(outputs):
-    return named_problems({check}(CASE, OPTIONS, outputs))
-"""
-
 
 def script(shipped: tuple, constants: dict, relative: str, function: str, call, check) -> str:
     """The body of a reproducer of `function` in the released file `relative`: the imports, the
@@ -71,7 +62,11 @@ def script(shipped: tuple, constants: dict, relative: str, function: str, call, 
     sources = "\n\n\n".join(inspect.getsource(part).strip() for part in parts)
     constants = {**constants, "RELATIVE": relative, "FUNCTION": function}
     values = "".join(f"{name} = {value!r}\n" for name, value in constants.items())
-    entry = ENTRY.format(call=call.__name__, check=check.__name__).strip()
+    # the glue: the entry points, `call` running the release and `check` judging it
+    entry = entry_points(
+        f"{call.__name__}(load_release(wheel, RELATIVE), FUNCTION, CASE, OPTIONS)",
+        f"named_problems({check.__name__}(CASE, OPTIONS, outputs))",
+    ).strip()
     return f"{SCRIPT_IMPORTS}\n\n{sources}\n\n\n{values}\n\n{entry}\n"
 
 

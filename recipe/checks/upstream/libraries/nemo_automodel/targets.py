@@ -16,7 +16,6 @@ from recipe.checks.upstream.kit.checked import (
     CheckTarget,
     Finding,
     function_line,
-    reproducer_source,
 )
 from recipe.checks.upstream.libraries.nemo_automodel.mtp_truth import (
     call_mtp,
@@ -145,9 +144,6 @@ class _Released(Checked):
         impact, what = max(problems, key=lambda p: p[0])  # the first of the worst class
         return Finding(case, tuple(sorted(options.items())), Impact(impact), f"{head}: {what}")
 
-    def _reproducer(self, finding: Finding, title: str, body: str) -> str:
-        return reproducer_source(title, finding, body, self.distribution, self.version)
-
 
 @dataclass
 class PackDatasetChecked(_Released):
@@ -192,7 +188,7 @@ class PackDatasetChecked(_Released):
             f"NeMo Automodel {self.version} {self.function_name} ({self.file}:{self.line}) on "
             "one case (the released file imports `datasets`: needs it besides torch)"
         )
-        return self._reproducer(finding, title, packer_script(self.file, self.function_name))
+        return self.reproducer_script(title, finding, packer_script(self.file, self.function_name))
 
     def truth_outputs(self, finding: Finding):
         return truth_packs(finding.case, dict(finding.options))
@@ -226,7 +222,7 @@ class MTPShiftChecked(_Released):
 
     def reproducer(self, finding: Finding) -> str:
         title = f"NeMo Automodel {self.version} {self.function_name} ({self.file}:{self.line})"
-        return self._reproducer(finding, title, mtp_script(self.file, self.function_name))
+        return self.reproducer_script(title, finding, mtp_script(self.file, self.function_name))
 
     def truth_outputs(self, finding: Finding):
         return truth_mtp(finding.case, dict(finding.options))

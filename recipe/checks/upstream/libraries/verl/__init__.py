@@ -53,10 +53,10 @@ from recipe.checks.upstream.kit.checked import (
     CheckTarget,
     ContractChecked,
     Finding,
+    case_finding,
     function_line,
-    reproducer_source,
 )
-from recipe.checks.upstream.kit.released import released_targets
+from recipe.checks.upstream.kit.released import released_library
 from recipe.checks.upstream.libraries.verl.reproducer import reproducer_body
 from recipe.parallel.cp.contract import LAYOUT_KEY, Impact, unique_sequences
 from recipe.parallel.cp.zigzag import zigzag_index
@@ -179,12 +179,6 @@ class BshdEngineChecked(ContractChecked):
 
         return per_rank
 
-    def _case(self, lengths, cp_size, tp_size, options) -> tuple[dict, tuple]:
-        return (
-            {"lengths": list(lengths), "cp": cp_size, "tp": tp_size},
-            tuple(sorted(options.items())),
-        )
-
     def mask_finding(self, case, options: dict) -> Finding | None:
         """The returned attention mask against the real slots of the zigzag rows."""
         lengths, cp_size, tp_size = case
@@ -217,8 +211,9 @@ class BshdEngineChecked(ContractChecked):
                         f"attention_mask expected False, got True: {INVERSE} keeps this padding "
                         "slot's output among the sequence's"
                     )
-                return Finding(
-                    *self._case(lengths, cp_size, tp_size, options),
+                return case_finding(
+                    case,
+                    options,
                     impact,
                     f"{head}: rank {rank}, row {i}, local slot {slot} (sequence {i}, position "
                     f"{position}): {what}",
@@ -249,15 +244,17 @@ class BshdEngineChecked(ContractChecked):
                 try:
                     back = inverse(shards[rank]["output"], shards[rank]["mask"]).unbind()
                 except Exception as err:  # noqa: BLE001 (a raise is the finding)
-                    return Finding(
-                        *self._case(lengths, cp_size, tp_size, options),
+                    return case_finding(
+                        case,
+                        options,
                         Impact.RAISES,
                         f"{head}: rank {rank}: {INVERSE} raises {type(err).__name__}: {err}",
                     )
                 for i, (want, got) in enumerate(zip(values, back, strict=True)):
                     if got.shape != want.shape or not torch.equal(got, want):
-                        return Finding(
-                            *self._case(lengths, cp_size, tp_size, options),
+                        return case_finding(
+                            case,
+                            options,
                             Impact.MISPLACED,
                             f"{head}: rank {rank}: {INVERSE} gives sequence {i} back as "
                             f"{_head(got)}, sharded from {_head(want)}",
@@ -293,18 +290,13 @@ class BshdEngineChecked(ContractChecked):
         broken = layouts.mutated_copy(
             self.module, (FUNCTION, INVERSE), *changes[part], label=self.label
         )
-        return BshdEngineChecked(
-            self.library, self.version, f"{FUNCTION} [broken copy: {part}]", self.distribution,
-            self.file, self.drawn, self.skipped, self.notes, module=broken,
-        )  # fmt: skip
+        return self.broken_as(part, module=broken)
 
     def reproducer(self, finding: Finding) -> str:
-        return reproducer_source(
+        return self.reproducer_script(
             f"{self.label}: {FUNCTION} / {INVERSE} on every rank of one micro-batch",
             finding,
             reproducer_body(FILE, STUBS),
-            self.distribution,
-            self.version,
         )
 
     def truth_outputs(self, finding: Finding) -> dict:
@@ -323,8 +315,4 @@ def _head(values: torch.Tensor, shown: int = 6) -> str:
 TARGETS = (BshdEngineTarget(),)
 
 # The functions training can call (releases.LIBRARIES), then this module's own.
-LIBRARY = releases.Library(
-    releases.LIBRARIES["verl"].distribution,
-    (*released_targets("verl"), *TARGETS),
-    releases.LIBRARIES["verl"].releases,
-)
+LIBRARY = released_library("verl", TARGETS)

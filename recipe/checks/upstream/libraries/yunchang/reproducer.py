@@ -1,11 +1,11 @@
-"""A finding's standalone reproducer: the kit's prelude, then truth.py's and ranks.py's parts and
+"""A finding's standalone reproducer: the prelude, then truth.py's and ranks.py's parts and
 `wheel_outputs` below, shipped verbatim by `inspect.getsource` (so they are linted and scanned
 like the rest), then the case's constants and two lines of glue.
 """
 
 import inspect
 
-from recipe.checks.upstream.kit.prelude import load_from_wheel
+from recipe.checks.upstream.kit.checked import entry_points
 from recipe.checks.upstream.libraries.yunchang.ranks import (
     DistOfRank,
     Group,
@@ -26,6 +26,7 @@ from recipe.checks.upstream.libraries.yunchang.truth import (
     truth_outputs,
     value_shape,
 )
+from recipe.upstream.prelude import load_from_wheel
 
 
 def wheel_outputs(wheel, globals_file, extract_file, function_name, case, options):
@@ -62,14 +63,10 @@ SCRIPT_PARTS = (
 SCRIPT_IMPORTS = "import math\n\nimport torch\n"
 
 # The glue: the entry points a reproducer defines, calling the shipped parts on its constants.
-ENTRY = """
-def release_outputs(wheel):
-    return wheel_outputs(wheel, GLOBALS_FILE, EXTRACT_FILE, FUNCTION, CASE, OPTIONS)
-
-
-def problems(outputs):
-    return problem_texts(LAYOUT, CASE, OPTIONS, outputs)
-"""
+ENTRY = entry_points(
+    "wheel_outputs(wheel, GLOBALS_FILE, EXTRACT_FILE, FUNCTION, CASE, OPTIONS)",
+    "problem_texts(LAYOUT, CASE, OPTIONS, outputs)",
+)
 
 
 def script(layout: str, function: str, globals_file: str, extract_file: str) -> str:

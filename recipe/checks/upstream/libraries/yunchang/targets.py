@@ -4,19 +4,17 @@ fixed, or a refusal), their negative controls and their reproducers.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-import sys
 from dataclasses import dataclass, field
 
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
+    IMPACTS,
     Checked,
     CheckTarget,
     Finding,
     function_line,
-    reproducer_source,
 )
 from recipe.checks.upstream.libraries.yunchang.ranks import StandInMissing, run_ranks
 from recipe.checks.upstream.libraries.yunchang.reproducer import script
@@ -25,7 +23,7 @@ from recipe.checks.upstream.libraries.yunchang.truth import (
     layout_unit,
     truth_outputs,
 )
-from recipe.parallel.cp.contract import Impact
+from recipe.upstream.prelude import swapped_modules
 from recipe.upstream.releases import unknown_option
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
@@ -69,12 +67,6 @@ OPTIONAL_KERNELS = (
     "spas_sage_attn",
     "torch_npu",
 )
-IMPACTS = {
-    "padding": Impact.PADDING,
-    "raises": Impact.RAISES,
-    "misplaced": Impact.MISPLACED,
-    "lost": Impact.LOST,
-}
 
 # The broken copies (negative controls): one line of the release's own source, mutated.
 MUTATIONS = {
@@ -176,7 +168,7 @@ class ExtractChecked(Checked):
             return None  # a reproducer runs the release from its wheel, not a mutated copy
         body = script(self.layout, self.function_name, GLOBALS_FILE, EXTRACT_FILE)
         title = f"{self.label}: {self.file}:{self.line}, the minimal case the checker found"
-        return reproducer_source(title, finding, body, self.distribution, self.version)
+        return self.reproducer_script(title, finding, body)
 
     def truth_outputs(self, finding: Finding):
         return truth_outputs(self.layout, finding.case, dict(finding.options))
@@ -192,7 +184,7 @@ class ExtractTarget(CheckTarget):
         path, version = source_file(distribution, version, self.file)
         groups_path, _ = source_file(distribution, version, GLOBALS_FILE)
         tag = f"{library}_{version}".replace(".", "_").replace("-", "_")
-        with _blocked(OPTIONAL_KERNELS):
+        with swapped_modules(dict.fromkeys(OPTIONAL_KERNELS)):  # None: their imports fail
             groups = load_module(groups_path, f"recipe_upstream_{tag}_globals", {})
         module = load_module(
             path,
@@ -232,24 +224,6 @@ class ExtractTarget(CheckTarget):
         )
         return ExtractChecked(library, version, self.name, distribution, self.file, drawn,
                               skipped, notes, module, groups, self.name, layout)  # fmt: skip
-
-
-@contextlib.contextmanager
-def _blocked(names: tuple[str, ...]):
-    """Imports of `names` fail (ImportError) while the block runs; sys.modules is restored."""
-    saved = {name: sys.modules.get(name, _ABSENT) for name in names}
-    sys.modules.update(dict.fromkeys(names))
-    try:
-        yield
-    finally:
-        for name, before in saved.items():
-            if before is _ABSENT:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = before
-
-
-_ABSENT = object()
 
 
 def _unknown(label: str, where: str, param: str) -> UpstreamUnavailable:

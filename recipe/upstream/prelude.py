@@ -1,14 +1,17 @@
-"""The start of every standalone reproducer, shipped verbatim (its source, less this docstring):
-load one file of a release from its wheel (or sdist) without running the package's `__init__`,
-the imports named in `stubs` replaced by inert placeholders, and the entry point. Plain Python
-and torch only: no recipe import, so the script runs anywhere the release does. A reproducer's
-body (after this prelude) defines `release_outputs` and `problems`, and sets CASE and OPTIONS.
+"""The start of every standalone reproducer of the upstream checker (`recipe/checks/upstream/`),
+shipped verbatim (its source, less this docstring): load one file of a release from its wheel (or
+sdist) without running the package's `__init__`, the imports named in `stubs` replaced by inert
+placeholders, and the entry point. Plain Python and torch only: no recipe import, so the script
+runs anywhere the release does. A reproducer's body (after this prelude) defines
+`release_outputs` and `problems`, and sets CASE and OPTIONS. It sits here, below the checker,
+so that training's loader (`source.load_module`) stubs a release's imports with this same code.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import importlib.machinery
 import importlib.util
 import shutil
@@ -79,31 +82,48 @@ def extract(wheel, relative, folder):
             archive.extract(relative, folder)
 
 
+@contextlib.contextmanager
+def swapped_modules(modules):
+    """`modules` (name -> module, or None to make its import fail) in sys.modules while the
+    block runs; after it, each name's own entry back, or none where it had none."""
+    saved = {name: sys.modules[name] for name in modules if name in sys.modules}
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        for name in modules:
+            if name in saved:
+                sys.modules[name] = saved[name]
+            else:
+                sys.modules.pop(name, None)
+
+
+def load_stubbed(path, name, stubs):
+    """Execute the file at `path` as module `name`, each module of `stubs` (name -> the
+    attributes it must have) a placeholder while it runs: a package, so stubs below it import
+    too."""
+    placeholders = {}
+    for key, attributes in stubs.items():
+        module = Placeholder(key)
+        module.__path__ = []
+        for attribute, value in attributes.items():
+            setattr(module, attribute, value)
+        placeholders[key] = module
+    with swapped_modules(placeholders):
+        loader = importlib.machinery.SourceFileLoader(name, str(path))
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+        loader.exec_module(module)
+        return module
+
+
 def load_from_wheel(wheel, relative, stubs, package=None):
     """Execute `relative` from the wheel (or sdist) as a private module, `stubs` (name ->
     attributes) standing in for the imports it makes that the checked code never calls; named
     inside `package` when given, so the file's relative imports find the stubs named there."""
     folder = scratch_folder("repro-src-")
     extract(wheel, relative, folder)
-    saved = {key: sys.modules.get(key) for key in stubs}
-    for key, attributes in stubs.items():
-        module = Placeholder(key)
-        module.__path__ = []
-        for attribute, value in attributes.items():
-            setattr(module, attribute, value)
-        sys.modules[key] = module
-    try:
-        name = (f"{package}." if package else "") + "released_" + Path(relative).stem
-        loader = importlib.machinery.SourceFileLoader(name, str(folder / relative))
-        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
-        loader.exec_module(module)
-        return module
-    finally:
-        for key, before in saved.items():
-            if before is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = before
+    name = (f"{package}." if package else "") + "released_" + Path(relative).stem
+    return load_stubbed(folder / relative, name, stubs)
 
 
 def release_outputs(wheel):
