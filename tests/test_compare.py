@@ -9,44 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from recipe.compare.diff import all_passed, compare_all
 from recipe.compare.report import render_markdown
 from recipe.compare.runs import find_runs, load_run, run_labels
+from tests.helpers.fake_runs import make_run
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "compare_runs.py"
-
-
-def make_run(
-    root: Path,
-    name: str,
-    cp: int = 1,
-    pe: str = "rope",
-    steps: int = 5,
-    shift: float = 0.0,
-    mtp: bool = False,
-    drop: tuple[str, ...] = (),
-) -> Path:
-    run = root / name
-    (run / ".hydra").mkdir(parents=True)
-    config = {
-        "cp": {"size": cp, "preprocess": "index"},
-        "parallel": {"dp": 1, "tp": 1},
-        "model": {"position_embedding_type": pe},
-        "mtp": {"enabled": mtp},
-        "output_dir": str(run),
-    }
-    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
-    rows = []
-    for step in range(1, steps + 1):
-        row = {"step": step, "lm_loss": 5.0 / step + shift * step, "grad_norm": 1.0 + 0.1 * step}
-        if mtp:
-            row["mtp_loss"] = 6.0 / step
-        rows.append({k: v for k, v in row.items() if k not in drop})
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return run
 
 
 def test_identical_and_tiny_differences_pass_large_ones_fail(tmp_path):
