@@ -238,6 +238,13 @@ def test_the_attention_benchmark_prints_each_path_against_the_limit(capsys):
     out = capsys.readouterr().out
     assert "dense causal (limit proxy)" in out and "1.00x the limit" in out
     assert "per-sequence SDPA loop" in out and "plan, entry by entry (CPU stand-in)" in out
+    # --check judges the host-read counts (their measurement is test_host_syncs'): growth with
+    # depth exits 1 naming both counts, none exits 0
+    for counts, code in (((50, 51), 1), ((50, 50), 0)):
+        module.host_reads = lambda device, counts=counts: counts
+        assert module.main([*argv, "--check"]) == code
+        assert ("FAIL: host reads grow with depth (50 at 2 layers, 51 at 4)" in
+                capsys.readouterr().out) == (code == 1)  # fmt: skip
 
 
 def _vision():
