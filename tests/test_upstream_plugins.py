@@ -29,6 +29,7 @@ import pytest
 from recipe.check_upstream import main
 from recipe.checks.upstream.registry import REGISTRY
 from recipe.checks.upstream.runner import options_strategy
+from recipe.upstream.prelude import installed_release
 from recipe.upstream.source import cache_root
 
 pytestmark = pytest.mark.launches
@@ -120,7 +121,11 @@ def controls(loaded):
 
 
 def _wheel(distribution: str, version: str):
-    """The release's wheel, or its sdist where it publishes none, from the cache."""
+    """The release's wheel, or its sdist where it publishes none, from the cache; the installed
+    release's folder where it is that version (torch's, checked where it is installed)."""
+    installed = installed_release(distribution, version)
+    if installed is not None:
+        return installed
     folder = cache_root() / f"{distribution}-{version}"
     return next(p for pattern in ("*.whl", "*.tar.gz") for p in sorted(folder.glob(pattern)))
 

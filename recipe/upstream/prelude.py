@@ -70,9 +70,27 @@ def fetch_wheel(distribution, version):
     sys.exit(f"pip cannot fetch {distribution}=={version}; pass --wheel PATH")
 
 
+def installed_release(distribution, version):
+    """The installed release's folder (its site-packages) when it is `version` (a local label,
+    "+cpu", aside), else None: read in place of a download."""
+    import importlib.metadata
+
+    try:
+        installed = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if installed.split("+")[0] != version.split("+")[0]:
+        return None
+    return Path(importlib.metadata.distribution(distribution).locate_file(""))
+
+
 def extract(wheel, relative, folder):
-    """`relative` from a wheel, or from an sdist below its top folder (NAME-VERSION/)."""
-    if str(wheel).endswith(".tar.gz"):
+    """`relative` from a wheel, from an sdist below its top folder (NAME-VERSION/), or from an
+    installed release's folder."""
+    if Path(wheel).is_dir():
+        (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(wheel) / relative, folder / relative)
+    elif str(wheel).endswith(".tar.gz"):
         with tarfile.open(wheel, "r:gz") as archive:
             member = next(m for m in archive if m.name.partition("/")[2] == relative)
             (folder / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -139,8 +157,16 @@ def problems(outputs):
 def main(distribution, version):
     """Run the release on the case: exit 1 with what is wrong (reproduced), 0 when it passes."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--wheel", help="the release's wheel or sdist (default: pip download it)")
-    wheel = parser.parse_args().wheel or fetch_wheel(distribution, version)
+    parser.add_argument(
+        "--wheel",
+        help="the release's wheel, sdist, or installed site-packages folder (default: the "
+        "installed release when it is this version, else pip downloads it)",
+    )
+    wheel = (
+        parser.parse_args().wheel
+        or installed_release(distribution, version)
+        or fetch_wheel(distribution, version)
+    )
     try:
         found = problems(release_outputs(wheel))
     except Exception as err:

@@ -219,12 +219,37 @@ def _pip_download(distribution: str, version: str, dest: Path, binary: str):
 
 
 def source_file(distribution: str, version: str | None, relative: str) -> tuple[Path, str]:
-    """(the file, the version it is from); version None = the installed release."""
-    if version is None:
+    """(the file, the version it is from); version None (or "installed") = the installed
+    release, also read in place of a download when it is the version named (its local label,
+    "+cpu", aside): a library too large to fetch (torch) is checked where it is installed."""
+    if version in (None, INSTALLED):
         version = installed_version(distribution)
         return installed_file(distribution, relative), version
     check_version_number(distribution, version)
+    if public_version(installed_or_none(distribution)) == public_version(version):
+        return installed_file(distribution, relative), version
     return fetched_file(distribution, version, relative), version
+
+
+INSTALLED = "installed"  # a registry's release meaning "whatever this environment has"
+
+
+def public_version(version: str | None) -> str | None:
+    """The version without its local label: torch's "2.14.1+cu130" is release 2.14.1."""
+    return None if version is None else version.split("+", 1)[0]
+
+
+def installed_or_none(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def installed_root(distribution: str) -> Path:
+    """The folder the installed release's files are relative to (its site-packages)."""
+    installed_version(distribution)  # names the problem when it is not installed
+    return Path(importlib.metadata.distribution(distribution).locate_file(""))
 
 
 def check_version_number(distribution: str, version: str) -> None:

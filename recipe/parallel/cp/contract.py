@@ -319,6 +319,7 @@ def first_mismatch(
 class Impact(enum.IntEnum):
     """What a finding costs a user, worst last: the order the checker searches up."""
 
+    UNBALANCED = 0  # every token trains as it should; the ranks' attention work is uneven
     PADDING = 1  # only padding is laid out wrong: every real token trains as it should
     RAISES = 2  # the function raises on a valid input: training stops, loudly
     MISPLACED = 3  # a real token trains with a wrong position, label, loss weight or rank
@@ -330,6 +331,7 @@ class Impact(enum.IntEnum):
 
 
 IMPACT_LABELS = {
+    Impact.UNBALANCED: "work unbalanced",
     Impact.PADDING: "padding only",
     Impact.RAISES: "raises",
     Impact.MISPLACED: "real tokens misplaced",

@@ -47,7 +47,7 @@ class Finding:
 
 
 # An impact by the lower-case name shipped code reports it with (plain Python, which cannot
-# import `Impact`): "padding", "raises", "misplaced", "lost".
+# import `Impact`): "unbalanced", "padding", "raises", "misplaced", "lost".
 IMPACTS = {impact.name.lower(): impact for impact in Impact}
 
 
