@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
+from recipe.upstream.source import INSTALLED, UpstreamUnavailable, load_module, source_file
 
 
 @dataclass(frozen=True)
@@ -238,12 +238,16 @@ def _check_true_rank(label: str, parallel_state, cp_size: int, cp_rank: int, tp_
         )
 
 
-def parse_spec(spec: str) -> tuple[str, str | None]:
+def parse_spec(spec: str, libraries: Mapping | None = None) -> tuple[str, str | None]:
+    """`LIBRARY[@VERSION]` -> (library, version or None for the installed release), the library
+    one of `libraries` (training's `LIBRARIES` unless the checker passes its registry); the
+    one parser of a spec, for training and the checker alike."""
+    libraries = LIBRARIES if libraries is None else libraries
     library, _, version = spec.partition("@")
-    if library not in LIBRARIES:
-        known = ", ".join([*LIBRARIES, "megatron-core"])
+    if library not in libraries:
+        known = ", ".join([*libraries, "megatron-core"])
         raise UpstreamUnavailable(f"unknown library {library!r}; known: {known}")
-    return library, (None if version in ("", "installed") else version)
+    return library, (None if version in ("", INSTALLED) else version)
 
 
 def parse_preprocess_spec(text: str) -> tuple[str, str | None, Target]:

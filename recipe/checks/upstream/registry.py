@@ -25,7 +25,7 @@ from recipe.checks.upstream.libraries import (
     verl,
     yunchang,
 )
-from recipe.upstream.source import UpstreamUnavailable
+from recipe.upstream import releases
 
 MEGATRON_CORE = "megatron-core"
 
@@ -51,8 +51,5 @@ def known() -> str:
 
 
 def parse_spec(spec: str) -> tuple[str, str | None]:
-    """`LIBRARY[@VERSION]` -> (library, version or None for the installed release)."""
-    library, _, version = spec.partition("@")
-    if library not in REGISTRY:
-        raise UpstreamUnavailable(f"unknown library {library!r}; known: {known()}")
-    return library, (None if version in ("", "installed") else version)
+    """`LIBRARY[@VERSION]` of the checker -> (library, version or None for the installed one)."""
+    return releases.parse_spec(spec, REGISTRY)
