@@ -22,6 +22,7 @@ from recipe.checks.upstream.libraries import (
     nemo_automodel,
     openrlhf,
     ring_flash_attn,
+    torch_load_balancers,
     verl,
     yunchang,
 )
@@ -44,6 +45,7 @@ REGISTRY.register("axolotl-ringmaster", axolotl_ringmaster.LIBRARY)
 REGISTRY.register("openrlhf", openrlhf.LIBRARY)
 REGISTRY.register("fla-core", fla.LIBRARY)
 REGISTRY.register("deepspeed", deepspeed_ulysses.LIBRARY)
+REGISTRY.register("torch", torch_load_balancers.LIBRARY)
 
 
 def known() -> str:
