@@ -165,7 +165,7 @@ def _older_stand_in(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_c
 
 
 @pytest.mark.parametrize("kernel", [_flash_varlen_stand_in, _older_stand_in], ids=["2.14", "older"])
-@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
 def test_one_kernel_call_computes_what_the_per_sequence_path_computes(kernel, cp):
     """The call `attend_by_plan` makes (argument order, causal window, GQA, scatter), through a
     stand-in of the kernel written from its definition."""
