@@ -25,6 +25,7 @@ import zipfile
 import pytest
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.search import search
 from recipe.checks.upstream.kit.checked import Finding
 from recipe.checks.upstream.libraries import areal
@@ -32,7 +33,6 @@ from recipe.checks.upstream.libraries.areal import release as areal_release
 from recipe.checks.upstream.libraries.areal.release import ENGINE, PCP
 from recipe.checks.upstream.libraries.areal.shipped_run import micro_batch, split_on_rank
 from recipe.checks.upstream.libraries.areal.targets import MUTATIONS
-from recipe.parallel.cp.contract import Impact
 from recipe.upstream.source import UpstreamUnavailable, cache_root, source_file
 
 pytestmark = pytest.mark.launches

@@ -29,12 +29,12 @@ import zipfile
 import pytest
 from hypothesis import strategies as st
 
+from recipe.checks.assess import Impact, micro_batches
 from recipe.checks.search import search
 from recipe.checks.upstream.kit.checked import Finding
 from recipe.checks.upstream.kit.released import load
 from recipe.checks.upstream.libraries import megatron_bridge as bridge_families
 from recipe.checks.upstream.libraries.megatron_bridge import targets as bridge_targets
-from recipe.parallel.cp.contract import Impact, micro_batches
 from recipe.upstream.releases import LIBRARIES
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 

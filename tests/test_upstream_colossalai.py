@@ -27,9 +27,9 @@ import tarfile
 import pytest
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.search import search
 from recipe.checks.upstream.libraries import colossalai
-from recipe.parallel.cp.contract import Impact
 from recipe.upstream import source
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 

@@ -20,9 +20,9 @@ import sys
 
 import pytest
 
+from recipe.checks.assess import Impact
 from recipe.checks.search import search
 from recipe.checks.upstream.libraries import deepspeed_ulysses as plugin
-from recipe.parallel.cp.contract import Impact
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 
 pytestmark = pytest.mark.launches

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.upstream import table as upstream_table
 from recipe.checks.upstream.kit.checked import IMPACTS, Library
-from recipe.parallel.cp.contract import Impact
 from recipe.upstream import prelude, source
 
 FILE = "torch/nn/modules/linear.py"  # any file of the installed torch

@@ -29,12 +29,12 @@ import sys
 import pytest
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.libraries import ms_swift
 from recipe.checks.upstream.libraries.ms_swift import batch as batch_path
 from recipe.checks.upstream.libraries.ms_swift import release, reproducers
 from recipe.checks.upstream.runner import check_target
-from recipe.parallel.cp.contract import Impact
 from recipe.parallel.cp.zigzag import zigzag_index
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 

@@ -36,6 +36,7 @@ import sys
 import pytest
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.upstream.libraries.nemo_automodel import LIBRARY, mtp_truth, packer_truth
 from recipe.checks.upstream.libraries.nemo_automodel.targets import (
     DISTRIBUTION,
@@ -43,7 +44,6 @@ from recipe.checks.upstream.libraries.nemo_automodel.targets import (
     PACK_DATASET,
     check_signature,
 )
-from recipe.parallel.cp.contract import Impact
 from recipe.parallel.cp.zigzag import zigzag_index
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 

@@ -22,10 +22,10 @@ import types
 import pytest
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.search import search
 from recipe.checks.upstream.kit.checked import Finding
 from recipe.checks.upstream.libraries import openrlhf
-from recipe.parallel.cp.contract import Impact
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 
 pytestmark = pytest.mark.launches

@@ -20,10 +20,10 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
+from recipe.checks.assess import Impact, micro_batches
 from recipe.checks.search import search
 from recipe.checks.upstream.kit.checked import Finding
 from recipe.checks.upstream.libraries import verl as verl_bshd
-from recipe.parallel.cp.contract import Impact, micro_batches
 from recipe.upstream.releases import ParallelStateStandIn
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 

@@ -22,10 +22,10 @@ import textwrap
 import pytest
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.search import search
 from recipe.checks.upstream.libraries import yunchang
 from recipe.checks.upstream.libraries.yunchang import ranks, targets, truth
-from recipe.parallel.cp.contract import Impact
 from recipe.upstream.source import UpstreamUnavailable, cache_root
 
 VERSION = "0.6.4"

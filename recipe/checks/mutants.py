@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from recipe.checks.assess import micro_batches
 from recipe.checks.search import search
 from recipe.data.packing import PackedBatch, pack_sequences
 from recipe.data.thd import aligned_length, cu_seqlens_from_lengths
@@ -30,7 +31,6 @@ from recipe.parallel.cp.contract import (
     first_mismatch,
     global_batch,
     index_preprocess,
-    micro_batches,
 )
 from recipe.parallel.cp.verl import verl_preprocess
 from recipe.parallel.cp.zigzag import real_token_mask, zigzag_index

@@ -24,14 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipe.checks.arguments import at_least
+from recipe.checks.assess import micro_batches
 from recipe.checks.search import search
-from recipe.parallel.cp.contract import (
-    ContractError,
-    Mismatch,
-    first_mismatch,
-    load_function,
-    micro_batches,
-)
+from recipe.parallel.cp.contract import ContractError, Mismatch, first_mismatch, load_function
 
 
 @dataclass(frozen=True)

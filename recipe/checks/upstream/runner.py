@@ -30,10 +30,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from recipe.checks.assess import Impact
 from recipe.checks.search import search
 from recipe.checks.upstream.kit.checked import Checked, Finding
 from recipe.checks.upstream.registry import MEGATRON_CORE, REGISTRY, parse_spec
-from recipe.parallel.cp.contract import Impact
 from recipe.upstream.source import UpstreamUnavailable
 
 

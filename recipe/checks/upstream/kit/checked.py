@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Self
 
-from recipe.parallel.cp.contract import Impact, assess, micro_batches
+from recipe.checks.assess import Impact, assess, micro_batches
 from recipe.upstream import prelude
 from recipe.upstream.releases import Library, ParallelStateStandIn
 

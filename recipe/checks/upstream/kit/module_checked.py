@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from recipe.checks.assess import Impact, micro_batches
 from recipe.checks.upstream.kit.checked import (
     Checked,
     CheckTarget,
@@ -29,7 +30,6 @@ from recipe.checks.upstream.kit.checked import (
     function_line,
     with_defaults,
 )
-from recipe.parallel.cp.contract import Impact, micro_batches
 from recipe.upstream.source import UpstreamUnavailable, source_file
 
 # The reproducer's entry points: the shipped functions called on the script's case.

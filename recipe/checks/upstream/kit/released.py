@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.upstream.kit import layouts, zigzag_call
 from recipe.checks.upstream.kit.checked import (
     CheckTarget,
@@ -19,7 +20,7 @@ from recipe.checks.upstream.kit.checked import (
     function_line,
 )
 from recipe.checks.upstream.kit.layouts import GatherStandIn
-from recipe.parallel.cp.contract import Impact, global_batch, index_preprocess
+from recipe.parallel.cp.contract import global_batch, index_preprocess
 from recipe.upstream import releases
 from recipe.upstream.releases import (
     ParallelStateStandIn,

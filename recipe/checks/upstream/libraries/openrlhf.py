@@ -55,9 +55,10 @@ from dataclasses import dataclass
 
 import torch
 
+from recipe.checks.assess import Impact, micro_batches
 from recipe.checks.upstream.kit import checked, layouts
 from recipe.checks.upstream.kit.checked import Checked, CheckTarget, Finding, Library
-from recipe.parallel.cp.contract import Impact, micro_batches, unique_sequences
+from recipe.parallel.cp.contract import unique_sequences
 from recipe.upstream.releases import partition_options
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 

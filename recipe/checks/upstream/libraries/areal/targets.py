@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
     IMPACTS,
@@ -42,7 +43,7 @@ from recipe.checks.upstream.libraries.areal.shipped_run import (
     reassembly_outputs,
     split_on_rank,
 )
-from recipe.parallel.cp.contract import Impact, global_batch, unique_sequences
+from recipe.parallel.cp.contract import global_batch, unique_sequences
 from recipe.parallel.cp.zigzag import zigzag_index
 from recipe.upstream.source import UpstreamUnavailable
 

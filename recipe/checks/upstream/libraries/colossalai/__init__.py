@@ -47,7 +47,7 @@ label but -100, or mask_info not describing the slots -> misplaced; a raise -> r
 Negative control (one line each): the back chunk taken as chunk sp+r, not 2*sp-1-r (attn.py:1230,
 utils.py:371, utils.py:455), flagged on cases the release passes.
 
-Calling the release, and what contract.assess does not see (`rank_outputs`, `row_problems`), is
+Calling the release, and what checks.assess.assess does not see (`rank_outputs`, `row_problems`), is
 `shipped.py`: real code the checker calls and each reproducer carries (`inspect.getsource`).
 """
 
@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from recipe.checks.assess import Impact, micro_batches
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import CheckTarget, ContractChecked, Finding, Library
 from recipe.checks.upstream.libraries.colossalai.shipped import (
@@ -74,7 +75,7 @@ from recipe.checks.upstream.libraries.colossalai.shipped import (
     row_problems,
     rows_truth,
 )
-from recipe.parallel.cp.contract import LAYOUT_KEY, Impact, micro_batches
+from recipe.parallel.cp.contract import LAYOUT_KEY
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
 FIXED = {

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
     ContractChecked,
@@ -26,7 +27,7 @@ from recipe.checks.upstream.libraries.megatron_bridge.shipped import (
     TransformerEngineStandIn,
     megatron_cp_split,
 )
-from recipe.parallel.cp.contract import LAYOUT_KEY, Impact, unique_sequences
+from recipe.parallel.cp.contract import LAYOUT_KEY, unique_sequences
 from recipe.upstream import releases
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 

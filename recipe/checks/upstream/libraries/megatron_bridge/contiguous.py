@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
     Checked,
@@ -33,7 +34,7 @@ from recipe.checks.upstream.libraries.megatron_bridge.shipped import (
     packed_batch,
     split_fields,
 )
-from recipe.parallel.cp.contract import Impact, unique_sequences
+from recipe.parallel.cp.contract import unique_sequences
 from recipe.upstream.releases import ParallelStateStandIn
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 

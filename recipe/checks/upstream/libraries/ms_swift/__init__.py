@@ -40,7 +40,7 @@ What a CP rank trains on in ms-swift, every step the release's own code:
    segments); then `get_batch_on_this_cp_rank`.
 3. the loss weight of a slot is `labels != -100` times loss_scale (trainers/trainer.py:59-63).
 
-Ground truth: zigzag -> the contract (`recipe/parallel/cp/contract.py`, `assess`) on the
+Ground truth: zigzag -> the contract (`recipe/checks/assess.py` `assess`) on the
 sequences' slots (each sample's padded boundaries, as the function returns them), plus a check
 that the tail segments hold no real token and no loss weight; contiguous -> rank r holds global
 slots [r*T/cp, (r+1)*T/cp) of the row (`contiguous_problem`). The inverses: a round trip (every

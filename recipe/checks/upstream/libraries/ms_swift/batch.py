@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
     ContractChecked,
@@ -41,7 +42,6 @@ from recipe.checks.upstream.libraries.ms_swift.truth import (
     layout_truth_outputs,
     tail_problem,
 )
-from recipe.parallel.cp.contract import Impact
 from recipe.upstream.releases import ParallelStateStandIn
 from recipe.upstream.source import UpstreamUnavailable
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import Checked, Finding, function_line
 from recipe.checks.upstream.libraries.ms_swift.batch import (
@@ -40,7 +41,7 @@ from recipe.checks.upstream.libraries.ms_swift.truth import (
     shaped,
     unshaped,
 )
-from recipe.parallel.cp.contract import Impact, global_batch
+from recipe.parallel.cp.contract import global_batch
 from recipe.upstream.releases import ParallelStateStandIn
 from recipe.upstream.source import UpstreamUnavailable
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
     ContractChecked,
@@ -31,7 +32,7 @@ from recipe.checks.upstream.libraries.ms_swift.truth import (
     stream_rows,
     unshaped,
 )
-from recipe.parallel.cp.contract import Impact, global_batch
+from recipe.parallel.cp.contract import global_batch
 from recipe.upstream.releases import ParallelStateStandIn
 from recipe.upstream.source import UpstreamUnavailable
 

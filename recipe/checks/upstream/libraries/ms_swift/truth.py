@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.upstream.libraries.ms_swift.release import IGNORE, PAD_ID
-from recipe.parallel.cp.contract import Impact
 
 
 def case_text(lengths, cp: int, tp: int) -> str:

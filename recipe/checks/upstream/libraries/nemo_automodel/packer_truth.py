@@ -19,7 +19,7 @@ dataset's own labels (the next token, the last one a label of its own; -100 wher
 `loss_mask` is 0); `seq_lens` are the real lengths; every padding slot has label -100.
 
 Problems are (impact, what): impact 1 padding only, 2 raises, 3 real tokens misplaced, 4 real
-tokens lost (the values of `recipe.parallel.cp.contract.Impact`).
+tokens lost (the values of `recipe.checks.assess.Impact`).
 """
 
 import math

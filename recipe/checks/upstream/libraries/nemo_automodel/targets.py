@@ -10,6 +10,7 @@ import sys
 import types
 from dataclasses import dataclass, field
 
+from recipe.checks.assess import Impact
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
     Checked,
@@ -29,7 +30,6 @@ from recipe.checks.upstream.libraries.nemo_automodel.packer_truth import (
     truth_packs,
 )
 from recipe.checks.upstream.libraries.nemo_automodel.reproducer import mtp_script, packer_script
-from recipe.parallel.cp.contract import Impact
 from recipe.upstream.releases import partition_options
 from recipe.upstream.source import UpstreamUnavailable, source_file
 
@@ -101,7 +101,7 @@ def load_registered(path, name: str) -> types.ModuleType:
 
 
 def _lengths(draw, unit: int, min_length: int, max_sequences: int = 12, max_length: int = 400):
-    """Lengths as `contract.micro_batches` draws them: 1, below the zigzag unit, k*unit-1,
+    """Lengths as `checks.assess.micro_batches` draws them: 1, below the zigzag unit, k*unit-1,
     k*unit, k*unit+1, or any up to max_length."""
     from hypothesis import strategies as st
 

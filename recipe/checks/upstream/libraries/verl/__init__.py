@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipe.checks.assess import Impact
 from recipe.checks.upstream.kit import layouts
 from recipe.checks.upstream.kit.checked import (
     CheckTarget,
@@ -58,7 +59,7 @@ from recipe.checks.upstream.kit.checked import (
 )
 from recipe.checks.upstream.kit.released import released_library
 from recipe.checks.upstream.libraries.verl.reproducer import reproducer_body
-from recipe.parallel.cp.contract import LAYOUT_KEY, Impact, unique_sequences
+from recipe.parallel.cp.contract import LAYOUT_KEY, unique_sequences
 from recipe.parallel.cp.zigzag import zigzag_index
 from recipe.upstream import releases
 from recipe.upstream.releases import ParallelStateStandIn
