@@ -1,7 +1,7 @@
 """megatron's THD RoPE, vectorised (recipe/megatron/rope.py): the rows of `freqs` each token
 takes are megatron's own `_get_thd_freqs_on_this_cp_rank`, the result is megatron's unfused
-function's bit for bit at cp 1/2/4 (both `freqs` formats, interleaved or not, and in a training
-step with MTP), and a micro-batch's later layers read nothing from the device."""
+function's bit for bit at cp 1/2/4 (both `freqs` formats, interleaved or not, and in training
+steps with MTP at cp 1 and 2), and a micro-batch's later layers read nothing from the device."""
 
 from __future__ import annotations
 
@@ -87,25 +87,43 @@ def test_a_micro_batchs_later_layers_read_nothing_from_the_device(monkeypatch):
         assert torch.equal(vectorised_thd_rope(t, cu, freqs, cp_group=_Group(2, 1)), first)
 
 
-def test_the_model_installs_it_and_a_training_step_is_megatrons_bit_for_bit(monkeypatch):
-    """A step with MTP (RoPE in every layer and depth) with the patch and with megatron's own."""
+def _steps_on_rank(cfg, patched: bool) -> list[dict]:
+    """`cfg.trainer.max_steps` steps on this rank with the vectorised RoPE the model installs,
+    or (not patched) with megatron's own unfused THD RoPE; rank 0's records less the timings.
+    Leaves megatron's module with the patch, as the model leaves it."""
     from recipe.data.corpus import load_corpus
+    from recipe.megatron.cpu_patches import install_cpu_patches, seed_model_parallel_rng
+    from recipe.model import gpt
+    from recipe.parallel import groups
     from recipe.training.trainer import Trainer
-    from tests.helpers.config import typed_config
-    from tests.helpers.world import lone_world
 
-    def one_step():
-        cfg = typed_config(["trainer.max_steps=2", "mtp=on"])
-        with lone_world() as layout:
+    install_cpu_patches()
+    install = gpt.install_thd_rope
+    if not patched:
+        rope._apply_rotary_pos_emb_thd = megatron_thd_rope()
+        gpt.install_thd_rope = lambda: None
+    try:
+        with groups.parallel_world(cfg.parallel_dims, timeout_s=120) as layout:
+            seed_model_parallel_rng(cfg.trainer.seed)
             trainer = Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data))
-            return [trainer.train_step().to_record() for _ in range(2)]
-
+            installed = rope._apply_rotary_pos_emb_thd is vectorised_thd_rope
+            records = [trainer.train_step().to_record() for _ in range(cfg.trainer.max_steps)]
+    finally:
+        gpt.install_thd_rope = install
+        install_thd_rope()
     timing = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu")
-    patched = one_step()
-    assert rope._apply_rotary_pos_emb_thd is vectorised_thd_rope, "installed with the model"
-    monkeypatch.setattr(rope, "_apply_rotary_pos_emb_thd", megatron_thd_rope())
-    monkeypatch.setattr("recipe.model.gpt.install_thd_rope", lambda: None)
-    reference = one_step()
-    strip = lambda records: [{k: v for k, v in r.items() if k not in timing} for r in records]  # noqa: E731
-    assert strip(patched) == strip(reference)
-    install_thd_rope()
+    kept = [{k: v for k, v in r.items() if k not in timing} for r in records]
+    return {"installed": installed, "records": kept}
+
+
+@pytest.mark.parametrize("cp", [1, pytest.param(2, marks=pytest.mark.distributed)])
+def test_the_model_installs_it_and_a_training_step_is_megatrons_bit_for_bit(cp, worlds):
+    """Steps with MTP (RoPE in every layer and depth) with the patch and with megatron's own, in
+    this process and on two CP ranks (each rank's own rows of freqs)."""
+    from tests.helpers.config import typed_config
+
+    cfg = typed_config(["trainer.max_steps=2", "mtp=on", f"cp={cp}"])
+    patched = worlds.run(cfg.world_size, _steps_on_rank, cfg, True)
+    reference = worlds.run(cfg.world_size, _steps_on_rank, cfg, False)
+    assert patched["installed"] and not reference["installed"], "installed with the model"
+    assert patched["records"] == reference["records"]

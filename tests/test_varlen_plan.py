@@ -1,7 +1,8 @@
 """The varlen plan (one attention call per layer): every query row is paired with exactly its
 causal prefix, checked against the zigzag index on its own, and the plan run entry by entry
 computes what the per-sequence path computes, forward and backward, at cp 1/2/4/8, with GQA and
-real offsets: bit for bit at cp=1, within 5e-7 in fp32 at cp > 1 (a chunk is its own call)."""
+real offsets: bit for bit at cp=1, within 5e-7 in fp32 at cp > 1 (a chunk is its own call); and
+whole training steps (MTP, vision) through the plan at cp 1 and 2."""
 
 from __future__ import annotations
 
@@ -253,43 +254,58 @@ def _vision():
     return VISION
 
 
-@pytest.mark.parametrize("extra", [["mtp=on"], "vision"], ids=["mtp", "vision"])
-def test_training_steps_through_the_plan_match_the_per_sequence_path(extra, monkeypatch):
-    """The whole model (every layer, MTP depths, vision's text stream) with each attention call
-    made as ONE varlen call, the kernel played by its stand-in: the steps the per-sequence path
-    trains, within fp32 rounding (at cp=1 each entry is the same SDPA call: equal)."""
+def _steps_on_rank(cfg, through_plan: bool) -> dict:
+    """`cfg.trainer.max_steps` steps on this rank, every attention call made by the per-sequence
+    path or (through_plan) as ONE varlen call of the plan with the kernel's stand-in; rank 0's
+    records and how many kernel calls it made. Runs in a launched rank or in this process (a
+    world of one), and leaves the attention module as it found it."""
     import functools
 
     from recipe.data.corpus import load_corpus
+    from recipe.megatron.cpu_patches import install_cpu_patches, seed_model_parallel_rng
     from recipe.model import attention
     from recipe.model import varlen_plan as plan_module
+    from recipe.parallel import groups
     from recipe.training.trainer import Trainer
-    from tests.helpers.config import typed_config
-    from tests.helpers.world import lone_world
 
     calls = []
 
-    @functools.wraps(_flash_varlen_stand_in)
+    @functools.wraps(_flash_varlen_stand_in)  # its signature says which interface it has
     def kernel(*args, **kwargs):
         calls.append(1)
         return _flash_varlen_stand_in(*args, **kwargs)
 
-    def steps(varlen: bool):
-        monkeypatch.setattr(attention, "uses_varlen_kernel", lambda q: varlen)
-        monkeypatch.setattr(plan_module, "varlen_kernel", lambda: kernel)
-        cfg = typed_config(["trainer.max_steps=3", *extra])
-        with lone_world() as layout:
-            trainer = Trainer(
-                cfg, layout, torch.device("cpu"), load_corpus(cfg.data, cfg.image_grid)
-            )
-            return [trainer.train_step().to_record() for _ in range(3)]
+    saved = attention.uses_varlen_kernel, plan_module.varlen_kernel
+    attention.uses_varlen_kernel = lambda query: through_plan
+    plan_module.varlen_kernel = lambda: kernel
+    install_cpu_patches()
+    try:
+        with groups.parallel_world(cfg.parallel_dims, timeout_s=120) as layout:
+            seed_model_parallel_rng(cfg.trainer.seed)
+            corpus = load_corpus(cfg.data, cfg.image_grid)
+            trainer = Trainer(cfg, layout, torch.device("cpu"), corpus)
+            records = [trainer.train_step().to_record() for _ in range(cfg.trainer.max_steps)]
+    finally:
+        attention.uses_varlen_kernel, plan_module.varlen_kernel = saved
+    return {"records": records, "kernel_calls": len(calls)}
+
+
+@pytest.mark.parametrize("cp", [1, pytest.param(2, marks=pytest.mark.distributed)])
+@pytest.mark.parametrize("extra", [["mtp=on"], "vision"], ids=["mtp", "vision"])
+def test_training_steps_through_the_plan_match_the_per_sequence_path(extra, cp, worlds):
+    """The whole model (every layer, MTP depths, vision's text stream) with each attention call
+    made as ONE varlen call, the kernel played by its stand-in: the steps the per-sequence path
+    trains, within fp32 rounding (at cp=1 each entry is the same SDPA call: equal; at cp=2 each
+    zigzag chunk is its own entry against its sequence's prefix of the gathered K/V)."""
+    from tests.helpers.config import typed_config
 
     extra = _vision() if extra == "vision" else extra
-    reference = steps(False)
-    assert not calls
-    planned = steps(True)
-    assert calls, "the plan's path ran"
-    for mine, theirs in zip(planned, reference):
+    cfg = typed_config(["trainer.max_steps=3", f"cp={cp}", *extra])
+    reference = worlds.run(cfg.world_size, _steps_on_rank, cfg, False)
+    assert reference["kernel_calls"] == 0
+    planned = worlds.run(cfg.world_size, _steps_on_rank, cfg, True)
+    assert planned["kernel_calls"] > 0, "the plan's path ran"
+    for mine, theirs in zip(planned["records"], reference["records"], strict=True):
         for key in ("lm_loss", "grad_norm", "mtp_loss"):
             if key in theirs:
                 assert mine[key] == pytest.approx(theirs[key], rel=1e-5), key
