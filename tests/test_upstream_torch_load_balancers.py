@@ -1,12 +1,12 @@
 """torch's context-parallel load balancers, read from the installed torch (no download).
 
 The verdicts depend on the torch release, so the version-bound tests are `stack_dependent`:
-torch 2.13.0 (the legacy stack) splits a packed row of documents unevenly
+torch 2.13.0 and 2.11.0 (the legacy and image stacks) split a packed row of documents unevenly
 (`_PerDocumentHeadTailLoadBalancer` lays its indices out document by document before
-`torch.chunk` cuts them), torch 2.14.1 (the current stack) balances it; both head-tail balancers
-of a single sequence pass. The judge itself is tested on hand-made indices first (any stack), and
-the reproducer of the 2.13.0 finding end to end where 2.13.0 is installed. The shared contract
-(control flagged, reproducer accepts the truth, unknown option refused) is
+`torch.chunk` cuts them), torch 2.14.1 (the current stack) balances it; the head-tail balancer
+of a single sequence passes on all three. The judge itself is tested on hand-made indices first
+(any stack), and the reproducer of the finding end to end where 2.13.0 or 2.11.0 is installed.
+The shared contract (control flagged, reproducer accepts the truth, unknown option refused) is
 tests/test_upstream_plugins.py's.
 """
 
@@ -30,12 +30,19 @@ from recipe.upstream.prelude import installed_release
 from recipe.upstream.source import UpstreamUnavailable, public_version
 
 VERSION = public_version(torch.__version__)
-# What the search finds on each release measured (torch 2.11.0, the image stack's, unmeasured)
+# What the search finds on each release measured (the image, legacy and current stacks')
+UNBALANCED_BEFORE_2_14 = (
+    "lengths=[1, 5] world_size=2: documents [4, 8] (padded) on world size 2: the ranks' query-key "
+    "pairs are [13, 33], not 23 each"
+)
 MEASURED = {
+    "2.11.0": {
+        "_HeadTailLoadBalancer": None,
+        "_PerDocumentHeadTailLoadBalancer": UNBALANCED_BEFORE_2_14,
+    },
     "2.13.0": {
         "_HeadTailLoadBalancer": None,
-        "_PerDocumentHeadTailLoadBalancer": "lengths=[1, 5] world_size=2: documents [4, 8] "
-        "(padded) on world size 2: the ranks' query-key pairs are [13, 33], not 23 each",
+        "_PerDocumentHeadTailLoadBalancer": UNBALANCED_BEFORE_2_14,
     },
     "2.14.1": {"_HeadTailLoadBalancer": None, "_PerDocumentHeadTailLoadBalancer": None},
 }
@@ -138,10 +145,11 @@ def test_the_control_unbalances_a_single_document(name):
 
 
 @pytest.mark.stack_dependent
-@pytest.mark.skipif(VERSION != "2.13.0", reason=f"the finding is 2.13.0's; torch {VERSION} here")
-def test_the_reproducer_of_the_2_13_finding_exits_1(tmp_path, monkeypatch, capsys):
-    """The report's script, run as a user runs it, on the installed 2.13.0 (no --wheel: the
-    installed release is that version), reproduces the imbalance; the truth passes it."""
+@pytest.mark.skipif(VERSION == "2.14.1", reason="the finding is fixed in 2.14.1")
+@measured_here
+def test_the_reproducer_of_the_finding_before_2_14_exits_1(tmp_path, monkeypatch, capsys):
+    """The report's script, run as a user runs it, on the installed 2.13.0 or 2.11.0 (no --wheel:
+    the installed release is that version), reproduces the imbalance; the truth passes it."""
     checked = _load("_PerDocumentHeadTailLoadBalancer")
     finding = checked.finding(((1, 5), 2), {})
     source = checked.reproducer(finding)

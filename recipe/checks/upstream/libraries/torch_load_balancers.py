@@ -40,14 +40,17 @@ Source: the installed torch (its wheel is hundreds of megabytes: "installed" is 
 registry lists, and `torch@VERSION` reads the installed file when it is that version).
 Negative control (one line): `tail_idx = 2 * world_size - 1 - head_idx` -> `world_size +
 head_idx` (rank r takes chunks r and W+r: the later ranks get the later, heavier chunks); in
-2.13.0's per-document loop, `2 * world_size - rank` -> `world_size + rank + 1`, the same break.
+2.13.0's per-document loop, `2 * world_size - rank` -> `world_size + rank + 1`, and in 2.11.0's
+head-tail loop `second_chunk_idx = world_size * 2 - rank - 1` -> `world_size + rank`: the same
+break in each release's shape.
 
-Finding in 2.13.0 (tests/test_upstream_torch_load_balancers.py; fixed in 2.14.1, whose
-docstring now states the sharding contract): `_generate_indices_for_batch` lays the indices out
-document by document (2.13.0:264-288: for each document, for each rank, head then tail), so
-`torch.chunk` cuts across documents and rank 0 gets the first documents whole: documents of 4
-and 12 tokens at world size 2 give the ranks 26 and 62 query-key pairs, not 44 and 44. The
-layout is a permutation with a consistent mask, so the loss is right; the work is not balanced.
+Finding in 2.13.0 and 2.11.0 (the legacy and image stacks; tests/test_upstream_torch_load_
+balancers.py; fixed in 2.14.1, whose docstring now states the sharding contract):
+`_generate_indices_for_batch` lays the indices out document by document (2.13.0:264-288: for
+each document, for each rank, head then tail), so `torch.chunk` cuts across documents and rank 0
+gets the first documents whole: documents of 4 and 12 tokens at world size 2 give the ranks 26
+and 62 query-key pairs, not 44 and 44. The layout is a permutation with a consistent mask, so
+the loss is right; the work is not balanced.
 """
 
 from __future__ import annotations
@@ -76,6 +79,10 @@ FIXED = {
 }
 CONTROL = ("tail_idx = 2 * world_size - 1 - head_idx", "tail_idx = world_size + head_idx")
 CONTROL_2_13 = ("2 * world_size - rank", "world_size + rank + 1")  # its per-document loop
+CONTROL_2_11 = (
+    "second_chunk_idx = world_size * 2 - rank - 1",
+    "second_chunk_idx = world_size + rank",
+)
 # What a reproducer runs (its constants set both for the class of its finding).
 CLASS, PER_DOCUMENT = "_PerDocumentHeadTailLoadBalancer", True
 NOTES = (
@@ -180,7 +187,7 @@ class BalancerChecked(ModuleChecked):
         method = getattr(cls, self.control_method)
         source = inspect.getsource(method)
         line, replacement = next(
-            (c for c in (CONTROL, CONTROL_2_13) if c[0] in source), CONTROL
+            (c for c in (CONTROL, CONTROL_2_13, CONTROL_2_11) if c[0] in source), CONTROL
         )  # fmt: skip
         namespace = dict(vars(self.module))
         source = textwrap.dedent(mutated_source(method, line, replacement, self.label))
