@@ -163,6 +163,11 @@ def test_the_reproducer_of_the_finding_before_2_14_exits_1(tmp_path, monkeypatch
     assert script.main("torch", checked.version) == 1
     printed = capsys.readouterr().out
     assert "query-key pairs are [13, 33]" in printed and printed.rstrip().endswith("REPRODUCED")
+    # the CLI's report says where the release was read and how to get it
+    assert main(["torch", "--function", checked.name, "--report", str(tmp_path / "r"),
+                 "--cases", "50"]) == 1  # fmt: skip
+    readme = next((tmp_path / "r").glob("*/README.md")).read_text()
+    assert "(the installed release)" in readme and f"pip install torch=={VERSION}" in readme
 
 
 def test_the_cli_checks_the_installed_torch_and_refuses_an_option(capsys):

@@ -34,7 +34,7 @@ from recipe.checks.assess import Impact
 from recipe.checks.search import search
 from recipe.checks.upstream.kit.checked import Checked, Finding
 from recipe.checks.upstream.registry import MEGATRON_CORE, REGISTRY, parse_spec
-from recipe.upstream.source import UpstreamUnavailable
+from recipe.upstream.source import INSTALLED, UpstreamUnavailable, public_version
 
 
 @dataclass
@@ -342,10 +342,12 @@ def write_report(folder: Path, checked: Checked, mode: str, finding: Finding) ->
     where.mkdir(parents=True, exist_ok=True)
     script = checked.reproducer(finding)
     options = " ".join(f"--fixed {k}={v}" for k, v in finding.options)
+    installed = REGISTRY[checked.library].releases == (INSTALLED,)
+    source = "the installed release" if installed else "PyPI wheel"
     lines = [
         f"# {checked.label}: {finding.impact.label} ({checked.file}:{checked.line})",
         "",
-        f"- release: {checked.distribution} {checked.version} (PyPI wheel), file "
+        f"- release: {checked.distribution} {checked.version} ({source}), file "
         f"`{checked.file}`, function at line {checked.line}",
         f"- checked with: Python {sys.version.split()[0]}, torch {torch.__version__}",
         f"- mode: {mode}",
@@ -373,7 +375,11 @@ def write_report(folder: Path, checked: Checked, mode: str, finding: Finding) ->
         (where / "reproduce.py").write_text(script)
         lines += [
             "```bash",
-            "pip install torch  # and the release's own imports; the script fetches the wheel",
+            f"pip install {checked.distribution}=={public_version(checked.version)}  # the "
+            "script reads the "
+            "installed release when it is this version"
+            if installed
+            else "pip install torch  # and the release's own imports; the script fetches the wheel",
             "python reproduce.py            # exit 1 and the wrong slots: reproduced",
             "```",
         ]
