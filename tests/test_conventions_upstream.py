@@ -48,7 +48,9 @@ GITHUB_ONLY = {
 
 BRIDGE = ("megatron-bridge", "0.6.2")
 VERL = ("verl", "0.9.1")
-MCORE = ("megatron-core", "0.19.2")  # read from the wheel: another stack installs 0.16.1
+# the wheel's file: fetched where another release is installed (legacy: 0.16.1), else the
+# installed copy when its RECORD hash says it is the wheel's
+MCORE = ("megatron-core", "0.19.2")
 
 
 # --- the conventions and their citations ------------------------------------------------------

@@ -34,6 +34,33 @@ def test_installed_and_the_installed_version_read_the_installed_file(monkeypatch
     assert source.source_file("torch", public, FILE) == (path, public)
 
 
+class _Listed:
+    """A RECORD entry whose hash is not the installed file's (a file edited in place)."""
+
+    def __init__(self, real):
+        self.real, self.hash = real, type("Hash", (), {"mode": "sha256", "value": "edited"})()
+
+    def __str__(self):
+        return str(self.real)
+
+    def locate(self):
+        return self.real.locate()
+
+
+def test_only_the_wheels_own_file_is_read_in_place_of_a_download(monkeypatch):
+    assert source.installed_as_released("torch", FILE)
+    assert not source.installed_as_released("torch", "torch/no_such_file.py")
+    real = importlib.metadata.distribution("torch")
+    listed = [_Listed(f) for f in real.files if str(f) == FILE]
+    edited = type("Dist", (), {"files": listed, "version": real.version})()
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: edited)
+    assert not source.installed_as_released("torch", FILE)
+    fetched = []
+    monkeypatch.setattr(source, "fetched_file", lambda *args: fetched.append(args) or "wheel")
+    public = source.public_version(torch.__version__)
+    assert source.source_file("torch", public, FILE) == ("wheel", public) and fetched
+
+
 def test_another_version_is_still_fetched(monkeypatch):
     fetched = []
     monkeypatch.setattr(source, "fetched_file", lambda *args: fetched.append(args) or "wheel")

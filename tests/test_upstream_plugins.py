@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ import pytest
 from recipe.check_upstream import main
 from recipe.checks.upstream.registry import REGISTRY
 from recipe.checks.upstream.runner import options_strategy
+from recipe.checks.upstream.table import registry_key
 from recipe.upstream.prelude import installed_release
 from recipe.upstream.source import cache_root
 
@@ -152,6 +154,11 @@ def test_the_reproducer_accepts_the_truth_and_passes_the_release(
     assert script.problems(checked.truth_outputs(found)) == []
     wheel = _wheel(checked.distribution, checked.version)
     assert script.problems(script.release_outputs(wheel)) == [], checked.label
+    if str(wheel).endswith(".whl"):  # the same release installed: a site-packages folder
+        folder = tmp_path / "site-packages"
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(folder)
+        assert script.problems(script.release_outputs(folder)) == [], f"{checked.label}, installed"
 
 
 def _reproducer(checked, found, tmp_path, monkeypatch):
@@ -175,9 +182,7 @@ def _reproducer(checked, found, tmp_path, monkeypatch):
 # The checker's last table: the functions whose newest release it FAILs (in any mode), in the
 # registry's order, and the cases it drew per mode (the draw budget below).
 RECORD = json.loads((Path(__file__).parents[1] / "docs" / "upstream.json").read_text())
-_FAILED = {
-    (r["library"], r["version"], r["function"]) for r in RECORD["rows"] if r["verdict"] == "FAIL"
-}
+_FAILED = {registry_key(r) for r in RECORD["rows"] if r["verdict"] == "FAIL"}
 FAILING = [(n, f) for n, f in FUNCTIONS if (n, _release(n), f) in _FAILED]
 
 

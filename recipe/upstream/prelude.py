@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import importlib.machinery
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
@@ -81,7 +82,11 @@ def installed_release(distribution, version):
         return None
     if installed.split("+")[0] != version.split("+")[0]:
         return None
-    return Path(importlib.metadata.distribution(distribution).locate_file(""))
+    found = importlib.metadata.distribution(distribution)
+    origin = json.loads(found.read_text("direct_url.json") or "{}")
+    if origin.get("dir_info", {}).get("editable"):
+        return None  # a source checkout, not the release's files
+    return Path(found.locate_file(""))
 
 
 def extract(wheel, relative, folder):
@@ -98,6 +103,13 @@ def extract(wheel, relative, folder):
     else:
         with zipfile.ZipFile(wheel) as archive:
             archive.extract(relative, folder)
+
+
+def release_text(wheel, relative):
+    """The text of `relative` in the release: a wheel, an sdist or an installed folder."""
+    folder = scratch_folder("repro-text-")
+    extract(wheel, relative, folder)
+    return (folder / relative).read_text()
 
 
 @contextlib.contextmanager

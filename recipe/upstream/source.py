@@ -221,14 +221,34 @@ def _pip_download(distribution: str, version: str, dest: Path, binary: str):
 def source_file(distribution: str, version: str | None, relative: str) -> tuple[Path, str]:
     """(the file, the version it is from); version None (or "installed") = the installed
     release, also read in place of a download when it is the version named (its local label,
-    "+cpu", aside): a library too large to fetch (torch) is checked where it is installed."""
+    "+cpu", aside) and the file is the one its wheel installed: a library too large to fetch
+    (torch) is checked where it is installed."""
     if version in (None, INSTALLED):
         version = installed_version(distribution)
         return installed_file(distribution, relative), version
     check_version_number(distribution, version)
     if public_version(installed_or_none(distribution)) == public_version(version):
-        return installed_file(distribution, relative), version
+        if installed_as_released(distribution, relative):
+            return installed_file(distribution, relative), version
     return fetched_file(distribution, version, relative), version
+
+
+def installed_as_released(distribution: str, relative: str) -> bool:
+    """Whether the installed `relative` is the file the release's wheel installed: listed in its
+    RECORD with a hash it still has. An editable install, a file edited in place, or one the
+    RECORD does not list is not the release's file, which is then fetched."""
+    import base64
+    import hashlib
+
+    files = importlib.metadata.distribution(distribution).files or []
+    listed = next((f for f in files if str(f) == relative), None)
+    if listed is None or listed.hash is None or listed.hash.mode != "sha256":
+        return False
+    path = Path(listed.locate())
+    if not path.is_file():
+        return False
+    digest = base64.urlsafe_b64encode(hashlib.sha256(path.read_bytes()).digest()).rstrip(b"=")
+    return digest.decode() == listed.hash.value
 
 
 INSTALLED = "installed"  # a registry's release meaning "whatever this environment has"

@@ -196,8 +196,7 @@ class _ArealChecked:
 
 def release_outputs(wheel):
     modules = load_modules(lambda relative, stubs: load_from_wheel(wheel, relative, stubs))
-    with zipfile.ZipFile(wheel) as archive:
-        engine = archive.read({ENGINE!r}).decode()
+    engine = release_text(wheel, {ENGINE!r})
     return {outputs}(modules, engine_statements(engine), CASE, OPTIONS)
 
 

@@ -8,7 +8,6 @@ import importlib.machinery
 import importlib.util
 import inspect
 import sys
-import zipfile
 from pathlib import Path
 
 from recipe.checks.upstream.kit.checked import entry_points
@@ -24,7 +23,7 @@ from recipe.checks.upstream.libraries.nemo_automodel.packer_truth import (
     call_packer,
     pack_problems,
 )
-from recipe.upstream.prelude import scratch_folder
+from recipe.upstream.prelude import extract, scratch_folder
 
 
 def load_release(wheel, relative):
@@ -32,8 +31,7 @@ def load_release(wheel, relative):
     sys.modules while it runs (as targets.load_registered does); the released files need no
     stubs."""
     folder = scratch_folder("repro-src-")
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extract(relative, folder)
+    extract(wheel, relative, folder)  # a wheel, an sdist or an installed folder
     name = "released_" + Path(relative).stem
     loader = importlib.machinery.SourceFileLoader(name, str(folder / relative))
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
