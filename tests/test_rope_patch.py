@@ -116,6 +116,7 @@ def _steps_on_rank(cfg, patched: bool) -> list[dict]:
     return {"installed": installed, "records": kept}
 
 
+@pytest.mark.stack_dependent  # against megatron's own RoPE, of each release
 @pytest.mark.parametrize("cp", [1, pytest.param(2, marks=pytest.mark.distributed)])
 def test_the_model_installs_it_and_a_training_step_is_megatrons_bit_for_bit(cp, worlds):
     """Steps with MTP (RoPE in every layer and depth) with the patch and with megatron's own, in

@@ -21,13 +21,14 @@ import torch
 from recipe.check_upstream import main
 from recipe.checks.search import search
 from recipe.checks.upstream.libraries.torch_load_balancers import (
+    FILE,
     LIBRARY,
     balance_problems,
     call_outputs,
     padded_documents,
 )
 from recipe.upstream.prelude import installed_release
-from recipe.upstream.source import UpstreamUnavailable, public_version
+from recipe.upstream.source import installed_root, public_version
 
 VERSION = public_version(torch.__version__)
 # What the search finds on each release measured (the image, legacy and current stacks')
@@ -52,11 +53,12 @@ measured_here = pytest.mark.skipif(
 
 
 def _load(name: str):
+    """The installed release's class; a torch without the file (before its CP package) skips,
+    any other failure to load fails."""
     target = next(t for t in LIBRARY.targets if t.name == name)
-    try:
-        return target.load("torch", "torch", None)
-    except UpstreamUnavailable as err:  # a torch without the CP package (before 2.9)
-        pytest.skip(str(err))
+    if not (installed_root("torch") / FILE).is_file():
+        pytest.skip(f"torch {torch.__version__} has no {FILE}")
+    return target.load("torch", "torch", None)
 
 
 # ---- the judge, on indices made by hand (any stack) ------------------------------------------
@@ -99,6 +101,8 @@ def test_the_judge_ranks_lost_positions_and_a_wrong_restore_worst():
     assert lost[0][0] == 4 and "1 of 8 positions are in no rank's shard (first: 4)" in lost[0][1]
     outputs = _outputs([8], [0, 7, 1, 6, 2, 5, 3, 4])
     outputs["restore"] = list(range(8))
+    assert [level for level, _ in balance_problems(outputs, 2)] == [3]
+    outputs["restore"] = [0, 1, 2, 3, 4, 5, 6, 9]  # out of range: reported, never an IndexError
     assert [level for level, _ in balance_problems(outputs, 2)] == [3]
     raised = balance_problems({"documents": [8], "raises": "AssertionError: "}, 2)
     assert raised == [(2, "the balancer raises AssertionError: ")]

@@ -4,11 +4,13 @@ rank's shard.
 
 torch's CP rearranges every buffer with a load balancer's index before it shards it with
 `Shard(seq_dim)`, i.e. `torch.chunk`: rank r holds the r-th of world_size contiguous pieces of
-`buffer[rearrange]` (`_attention.py` `_context_parallel_buffers`, 2.13.0:1064-1160), and puts
-the outputs back with the `restore` index. flex_attention's CP block mask is built from the same
-rearrange index (`create_cp_block_mask`'s `qkv_idx_restore`, 2.13.0:1251-1263), so any
-permutation trains the same numbers; what a balancer decides is each rank's share of the
-attention work.
+`buffer[rearrange]` (`_attention.py` `_context_parallel_buffers`, 2.13.0:1064-1171, the shard
+at :1153-1155), and puts the outputs back with the `restore` index. flex_attention's CP block
+mask is built from the same rearrange index (`_create_cp_block_mask`, :1174, its
+`qkv_idx_restore` at :1250-1263, the index at :1291-1292), so any permutation trains the same
+numbers, given what torch itself asks of the shapes (its local-to-global query map, :1272,
+counts whole blocks of 128 per rank, which the cases here, of a few tokens, do not model); what
+a balancer decides is each rank's share of the attention work.
 - `_HeadTailLoadBalancer(seq_length, world_size, device)` (2.14.1:87, 2.13.0:78): the default of
   `context_parallel` for a causal mask when seq_length is a multiple of 2*world_size
   (`_create_default_load_balancer`): rank r takes chunks r and 2W-1-r of 2W chunks.
@@ -62,13 +64,13 @@ from pathlib import Path
 
 import torch
 
-from recipe.checks.upstream.kit.checked import Finding, Library
+from recipe.checks.upstream.kit.checked import Finding, Library, reproducer_source
 from recipe.checks.upstream.kit.layouts import mutated_source
 from recipe.checks.upstream.kit.module_checked import ModuleChecked, ModuleTarget
 from recipe.parallel.cp.zigzag import zigzag_index
 from recipe.upstream.prelude import load_from_wheel
 from recipe.upstream.releases import partition_options
-from recipe.upstream.source import INSTALLED, load_module
+from recipe.upstream.source import INSTALLED, load_module, public_version
 
 FILE = "torch/distributed/tensor/experimental/_context_parallel/_load_balancer.py"
 FIXED = {
@@ -130,7 +132,9 @@ def balance_problems(outputs, world_size):
         return [(3, f"the rearrange index has {len(rearrange)} entries for {total} positions: "
                     "some are on two ranks")]  # fmt: skip
     found = []
-    if len(restore) != total or [rearrange[i] for i in restore] != list(range(total)):
+    if sorted(restore) != list(range(total)) or [rearrange[i] for i in restore] != list(
+        range(total)
+    ):
         found.append((3, "restore does not undo the rearrange (x[rearrange][restore] != x): "
                          "outputs go back to the wrong positions"))  # fmt: skip
     place = [p for n in documents for p in range(n)]
@@ -197,6 +201,12 @@ class BalancerChecked(ModuleChecked):
         changed = {method.__name__: namespace[method.__name__]}
         setattr(broken, self.function_name, type(self.function_name, (cls,), changed))
         return broken
+
+    def reproducer_script(self, title: str, finding: Finding, body: str) -> str:
+        """The script asks for the public release ("2.13.0", not the local build "2.13.0+cpu"):
+        it reads the installed torch when that is the release, else pip fetches it."""
+        return reproducer_source(title, finding, body, self.distribution,
+                                 public_version(self.version))  # fmt: skip
 
     def shipped_constants(self) -> dict:
         return {"FILE": FILE, "CLASS": self.function_name, "PER_DOCUMENT": self.per_document}
