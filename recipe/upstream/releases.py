@@ -38,6 +38,11 @@ class Library:
     targets: tuple
     releases: tuple[str, ...] = ()
 
+    @property
+    def installed_only(self) -> bool:
+        """Checked only where it is installed (torch: its wheel is too large to fetch)."""
+        return self.releases == (INSTALLED,)
+
 
 class ParallelStateStandIn:
     """What the upstream functions ask of megatron's parallel_state, for one drawn rank."""

@@ -43,18 +43,21 @@ class UpstreamUnavailable(RecipeError):
     exit_code = 2
 
 
+INSTALLED = "installed"  # a registry's release meaning "whatever this environment has"
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("RECIPE_UPSTREAM_CACHE", Path.home() / ".cache/recipe/upstream"))
 
 
 def installed_version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
+    version = installed_or_none(distribution)
+    if version is None:
         raise UpstreamUnavailable(
             f"{distribution} is not installed in this environment; install it "
             f"(`pip install {distribution}`) or name a release: {distribution}@VERSION"
-        ) from None
+        )
+    return version
 
 
 def installed_file(distribution: str, relative: str) -> Path:
@@ -249,9 +252,6 @@ def installed_as_released(distribution: str, relative: str) -> bool:
         return False
     digest = base64.urlsafe_b64encode(hashlib.sha256(path.read_bytes()).digest()).rstrip(b"=")
     return digest.decode() == listed.hash.value
-
-
-INSTALLED = "installed"  # a registry's release meaning "whatever this environment has"
 
 
 def public_version(version: str | None) -> str | None:

@@ -34,7 +34,7 @@ from recipe.checks.assess import Impact
 from recipe.checks.search import search
 from recipe.checks.upstream.kit.checked import Checked, Finding
 from recipe.checks.upstream.registry import MEGATRON_CORE, REGISTRY, parse_spec
-from recipe.upstream.source import INSTALLED, UpstreamUnavailable, public_version
+from recipe.upstream.source import UpstreamUnavailable, public_version
 
 
 @dataclass
@@ -342,8 +342,14 @@ def write_report(folder: Path, checked: Checked, mode: str, finding: Finding) ->
     where.mkdir(parents=True, exist_ok=True)
     script = checked.reproducer(finding)
     options = " ".join(f"--fixed {k}={v}" for k, v in finding.options)
-    installed = REGISTRY[checked.library].releases == (INSTALLED,)
+    installed = REGISTRY[checked.library].installed_only
     source = "the installed release" if installed else "PyPI wheel"
+    install = (
+        f"pip install {checked.distribution}=={public_version(checked.version)}  # the script "
+        "reads the installed release when it is this version"
+        if installed
+        else "pip install torch  # and the release's own imports; the script fetches the wheel"
+    )
     lines = [
         f"# {checked.label}: {finding.impact.label} ({checked.file}:{checked.line})",
         "",
@@ -375,11 +381,7 @@ def write_report(folder: Path, checked: Checked, mode: str, finding: Finding) ->
         (where / "reproduce.py").write_text(script)
         lines += [
             "```bash",
-            f"pip install {checked.distribution}=={public_version(checked.version)}  # the "
-            "script reads the "
-            "installed release when it is this version"
-            if installed
-            else "pip install torch  # and the release's own imports; the script fetches the wheel",
+            install,
             "python reproduce.py            # exit 1 and the wrong slots: reproduced",
             "```",
         ]

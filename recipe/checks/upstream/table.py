@@ -50,7 +50,7 @@ def registered() -> list[tuple[str, str, str]]:
 def registry_key(row: dict) -> tuple[str, str, str]:
     """(library, release as the registry names it, function) of a table row."""
     entry = REGISTRY.get(row["library"])
-    release = INSTALLED if entry is not None and entry.releases == (INSTALLED,) else row["version"]
+    release = INSTALLED if entry is not None and entry.installed_only else row["version"]
     return row["library"], release, row["function"]
 
 

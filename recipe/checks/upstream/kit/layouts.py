@@ -12,6 +12,7 @@ returns from the recipe's own ground truth (`contract.global_batch` + `zigzag.zi
 from __future__ import annotations
 
 import inspect
+import textwrap
 
 import torch
 
@@ -158,9 +159,11 @@ def mutated_copy(module, names: tuple[str, ...], target: str | None, line: str, 
 
 def mutated_function(function, line: str, replacement: str, label: str):
     """`function` with one line changed (`mutated_source`), executed in a copy of its module's
-    namespace (the stand-ins set on the copy never reach the release)."""
+    namespace (the stand-ins set on the copy never reach the release); a method's source is
+    dedented first, and the result is a plain function to set on a subclass."""
     namespace = dict(function.__globals__)
-    exec(mutated_source(function, line, replacement, label), namespace)  # noqa: S102
+    source = textwrap.dedent(mutated_source(function, line, replacement, label))
+    exec(source, namespace)  # noqa: S102
     return namespace[function.__name__]
 
 

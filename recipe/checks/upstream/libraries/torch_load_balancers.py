@@ -58,14 +58,12 @@ the loss is right; the work is not balanced.
 from __future__ import annotations
 
 import inspect
-import textwrap
-import types
 from pathlib import Path
 
 import torch
 
 from recipe.checks.upstream.kit.checked import Finding, Library, reproducer_source
-from recipe.checks.upstream.kit.layouts import mutated_source
+from recipe.checks.upstream.kit.layouts import mutated_copy, mutated_function
 from recipe.checks.upstream.kit.module_checked import ModuleChecked, ModuleTarget
 from recipe.parallel.cp.zigzag import zigzag_index
 from recipe.upstream.prelude import load_from_wheel
@@ -131,10 +129,8 @@ def balance_problems(outputs, world_size):
     if len(rearrange) != total:
         return [(3, f"the rearrange index has {len(rearrange)} entries for {total} positions: "
                     "some are on two ranks")]  # fmt: skip
-    found = []
-    if sorted(restore) != list(range(total)) or [rearrange[i] for i in restore] != list(
-        range(total)
-    ):
+    found, identity = [], list(range(total))
+    if sorted(restore) != identity or [rearrange[i] for i in restore] != identity:
         found.append((3, "restore does not undo the rearrange (x[rearrange][restore] != x): "
                          "outputs go back to the wrong positions"))  # fmt: skip
     place = [p for n in documents for p in range(n)]
@@ -193,14 +189,10 @@ class BalancerChecked(ModuleChecked):
         line, replacement = next(
             (c for c in (CONTROL, CONTROL_2_13, CONTROL_2_11) if c[0] in source), CONTROL
         )  # fmt: skip
-        namespace = dict(vars(self.module))
-        source = textwrap.dedent(mutated_source(method, line, replacement, self.label))
-        exec(source, namespace)  # noqa: S102 (the release's own source, or our one-line change)
-        broken = types.ModuleType(self.module.__name__ + "_broken")
-        vars(broken).update({k: v for k, v in vars(self.module).items() if k != "__name__"})
-        changed = {method.__name__: namespace[method.__name__]}
-        setattr(broken, self.function_name, type(self.function_name, (cls,), changed))
-        return broken
+        changed = {method.__name__: mutated_function(method, line, replacement, self.label)}
+        subclass = type(self.function_name, (cls,), changed)
+        return mutated_copy(self.module, (), None, line, replacement, self.label,
+                            overrides={self.function_name: subclass})  # fmt: skip
 
     def reproducer_script(self, title: str, finding: Finding, body: str) -> str:
         """The script asks for the public release ("2.13.0", not the local build "2.13.0+cpu"):
