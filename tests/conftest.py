@@ -38,7 +38,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Processes a test may start without the `launches` marker: quick tools that are not Python.
-_QUICK_TOOLS = {"git", "hadolint", "pgrep"}
+# fc-list: matplotlib asks fontconfig for the system's fonts the first time it draws on a machine
+# (its font cache, built once), so on a fresh machine the first plotting test starts it.
+_QUICK_TOOLS = {"fc-list", "git", "hadolint", "pgrep"}
 
 
 @pytest.fixture(autouse=True)

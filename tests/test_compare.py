@@ -157,6 +157,16 @@ def test_a_multirun_sweep_ends_in_a_parity_report(tmp_path):
     assert (sweep / "loss_curves.png").stat().st_size > 10_000
 
 
+def test_the_first_plot_on_a_fresh_machine_lists_its_fonts_in_a_fast_test():
+    """A fresh machine has no matplotlib font cache: the first plot builds it, asking fontconfig
+    (`fc-list`, a quick tool) for the system's fonts. The sweep's report plots in tests that
+    start no process, which must allow that (on a fresh clone, six of them failed here)."""
+    from matplotlib import font_manager
+
+    font_manager._get_fontconfig_fonts.cache_clear()  # as in a process that has not asked yet
+    assert font_manager.FontManager().ttflist, "matplotlib's own fonts at least"
+
+
 def test_failed_jobs_and_truncated_metrics_are_reported(tmp_path):
     from recipe.compare.report import write_report
 
