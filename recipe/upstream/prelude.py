@@ -131,7 +131,8 @@ def swapped_modules(modules):
 def load_stubbed(path, name, stubs):
     """Execute the file at `path` as module `name`, each module of `stubs` (name -> the
     attributes it must have) a placeholder while it runs: a package, so stubs below it import
-    too."""
+    too. The module itself is in sys.modules while it runs, as an import puts it there (a
+    dataclass under `from __future__ import annotations` looks its module up as it is made)."""
     placeholders = {}
     for key, attributes in stubs.items():
         module = Placeholder(key)
@@ -139,11 +140,11 @@ def load_stubbed(path, name, stubs):
         for attribute, value in attributes.items():
             setattr(module, attribute, value)
         placeholders[key] = module
-    with swapped_modules(placeholders):
-        loader = importlib.machinery.SourceFileLoader(name, str(path))
-        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+    with swapped_modules({**placeholders, name: module}):
         loader.exec_module(module)
-        return module
+    return module
 
 
 def load_from_wheel(wheel, relative, stubs, package=None):

@@ -178,6 +178,29 @@ def entry_points(outputs: str, problems: str) -> str:
     )
 
 
+def script_body(
+    parts: tuple = (),
+    constants: dict | None = None,
+    *,
+    imports: tuple = (),
+    after: str = "",
+    entry: str = "",
+) -> str:
+    """A reproducer's body, the one way every plugin assembles it: `imports` (module names the
+    prelude does not import), `constants` (name = repr(value)), the sources of `parts` (real
+    functions and classes, by `inspect.getsource`), `after` (a module shipped whole, such as the
+    layout reference) and `entry` (`entry_points`: the two functions the prelude's `main`
+    calls)."""
+    pieces = [
+        "\n".join(f"import {name}" for name in imports),
+        "".join(f"{name} = {value!r}\n" for name, value in (constants or {}).items()),
+        "\n\n\n".join(inspect.getsource(part).strip() for part in parts),
+        after,
+        entry,
+    ]
+    return "\n\n\n".join(piece.strip() for piece in pieces if piece.strip()) + "\n"
+
+
 def reproducer_source(title: str, finding: Finding, body: str, distribution: str,
                       version: str) -> str:  # fmt: skip
     """A whole reproducer: its docstring, the prelude, the case, `body` (which defines

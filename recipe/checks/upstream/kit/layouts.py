@@ -6,7 +6,7 @@ A reproducer must run with torch and the wheel alone, so it cannot call the reci
 `REFERENCE` is a second, independent statement of the two layouts in plain Python (slot by slot,
 no index tensors) that each reproducer embeds, and `truth_outputs` builds what a correct function
 returns from the recipe's own ground truth (`contract.global_batch` + `zigzag.zigzag_index`), so
-`problems(truth_outputs(...)) == []` checks the two against each other.
+`reference_problems(truth_outputs(...)) == []` checks the two against each other.
 """
 
 from __future__ import annotations
@@ -200,5 +200,5 @@ def truth_outputs(lengths, cp: int, tp: int, fields=FIELDS, *, layout: str = "zi
     }
 
 
-# The reproducers' reference: `problems(outputs)` for the structure `truth_outputs` builds.
+# The reproducers' reference: `reference_problems(outputs)` of what `truth_outputs` builds.
 REFERENCE = shipped_module_source(reference)

@@ -15,7 +15,6 @@ value; the finding is the first of the worst. Its reproducer ships real function
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from recipe.checks.upstream.kit.checked import (
     Finding,
     entry_points,
     function_line,
+    script_body,
     with_defaults,
 )
 from recipe.upstream.source import UpstreamUnavailable, source_file
@@ -112,14 +112,6 @@ def slot_problems(got, slot, g, where, lengths, stride, tokens, first=0):
 # ---- the checker's side ----------------------------------------------------------------------
 
 
-def reproducer_body(shipped: tuple, constants: dict) -> str:
-    """A reproducer's body: `constants` (name -> value, written with repr), the sources of
-    `shipped` (which define `released_outputs` and `released_problems`) and the glue."""
-    values = "".join(f"{name} = {value!r}\n" for name, value in constants.items())
-    sources = "\n\n".join(inspect.getsource(part) for part in shipped)
-    return f"{values}\n\n{sources}\n\n{GLUE.strip()}\n"
-
-
 @dataclass
 class ModuleChecked(Checked):
     """The function `function_name` of one release's module (or of its broken copy)."""
@@ -191,7 +183,7 @@ class ModuleChecked(Checked):
         )
 
     def reproducer(self, finding: Finding) -> str:
-        body = reproducer_body(self.shipped, self.shipped_constants())
+        body = script_body(self.shipped, self.shipped_constants(), entry=GLUE)
         title = f"{self.label}: {self.title}"
         return self.reproducer_script(title, finding, body)
 

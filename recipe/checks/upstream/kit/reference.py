@@ -1,17 +1,18 @@
-"""The reproducers' own reference of the zigzag and contiguous layouts: `problems(outputs)` for
-the structure `layouts.truth_outputs` builds, written slot by slot in plain Python (no recipe
-import, no index tensors), a second statement independent of `recipe/parallel/cp/zigzag.py`.
-Shipped verbatim (its source, less this docstring) into the reproducers that judge a zigzag or
-contiguous split; `problems(layouts.truth_outputs(...)) == []` checks the two against each other.
+"""The reproducers' own reference of the zigzag and contiguous layouts: `reference_problems(
+outputs)` for the structure `layouts.truth_outputs` builds, written slot by slot in plain Python
+(no recipe import, no index tensors), a second statement independent of
+`recipe/parallel/cp/zigzag.py`. Shipped verbatim (its source, less this docstring) into the
+reproducers that judge a zigzag or contiguous split; `reference_problems(layouts.truth_outputs(
+...)) == []` checks the two against each other.
 """
 
 
-def _sequences(lengths):
+def reference_sequences(lengths):
     stride = max(lengths) + 1
     return [[1 + stride * i + p for p in range(n)] for i, n in enumerate(lengths)]
 
 
-def _values(lengths, width):
+def reference_values(lengths, width):
     stride = max(lengths) + 1
     rows = []
     for i, n in enumerate(lengths):
@@ -42,7 +43,7 @@ def _contiguous_slot(cu, width, rank, slot):
     return None
 
 
-def problems(outputs):
+def reference_problems(outputs):
     """What differs from the layout: each real token once, with its position, next-token
     label and loss weight; padding never weighted; the mask and the round trip if given."""
     if outputs.get("error"):
@@ -63,7 +64,7 @@ def problems(outputs):
             )
     if found:
         return found
-    sequences, seen = _sequences(lengths), {}
+    sequences, seen = reference_sequences(lengths), {}
     for rank, fields in enumerate(outputs["ranks"]):
         width = len(fields["input_ids"])
         for slot in range(width):
@@ -103,7 +104,7 @@ def problems(outputs):
             f"position {missing[0][1]}"
         )
     found += [f"sequence {i} position {p} on ranks {r}" for (i, p), r in seen.items() if len(r) > 1]
-    want = _values(lengths, outputs.get("width"))
+    want = reference_values(lengths, outputs.get("width"))
     for rank, back in enumerate(outputs.get("round_trip") or []):
         for i, (w, g) in enumerate(zip(want, back, strict=True)):
             if w != g:

@@ -7,11 +7,9 @@ prelude: every rank played in one process, the function reading its rank from th
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from recipe.checks.upstream.kit.checked import entry_points
+from recipe.checks.upstream.kit.checked import entry_points, script_body
 from recipe.upstream.prelude import load_from_wheel
 from recipe.upstream.releases import ParallelStateStandIn
 
@@ -99,11 +97,9 @@ def zigzag_problems(outputs, case):
 def script(helpers: tuple, fields_name: str, constants: dict) -> str:
     """A reproducer's body: torch, `constants` (by repr), the sources of `helpers` (how training
     calls the function: `fields_name` among them) and of the parts above, and the glue."""
-    parts = (*helpers, case_sequences, call_outputs, zigzag_problems)
-    sources = "\n\n\n".join(inspect.getsource(part).strip() for part in parts)
-    values = "".join(f"{name} = {value!r}\n" for name, value in constants.items())
     glue = entry_points(
         f"call_outputs(wheel, FILE, STUBS, FUNCTION, {fields_name}, CASE, OPTIONS)",
         "zigzag_problems(outputs, CASE)",
     )
-    return f"import torch\n\n{values}\n\n{sources}\n\n\n{glue}"
+    parts = (*helpers, case_sequences, call_outputs, zigzag_problems)
+    return script_body(parts, constants, imports=("torch",), entry=glue)

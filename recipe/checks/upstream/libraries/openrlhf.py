@@ -48,7 +48,7 @@ cutting the padding from the front (:180), the slice one column late (:96).
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import sys
 import types
 from dataclasses import dataclass
@@ -59,6 +59,7 @@ from recipe.checks.assess import Impact, micro_batches
 from recipe.checks.upstream.kit import checked, layouts
 from recipe.checks.upstream.kit.checked import Checked, CheckTarget, Finding, Library
 from recipe.parallel.cp.contract import unique_sequences
+from recipe.upstream.prelude import load_from_wheel
 from recipe.upstream.releases import partition_options
 from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
@@ -266,22 +267,24 @@ def level_problems(outputs, want, lengths):
     return found
 
 
-SHARED = "\n\n".join(inspect.getsource(f) for f in (
+def wheel_outputs(wheel, relative, kind, case, option):
+    """The release in `wheel`, prepared as its callers run it, on every rank of the case."""
+    module = prepare(load_from_wheel(wheel, relative, stubs()))
+    return rank_outputs(kind, module, case["lengths"], case["world_size"], option)
+
+
+def case_problems(outputs, kind, case, option):
+    """What a reproducer prints: the text of each problem against the case's truth."""
+    want = truth(kind, case["lengths"], case["world_size"], option)
+    return [message for _, message in level_problems(outputs, want, case["lengths"])]
+
+
+SHIPPED = (
     rearrange, index_first_axis, unpad_input, pad_input, Gather, stubs, prepare, batch_rows,
-    rank_outputs, truth, level_problems))  # fmt: skip
-BODY = """
-import torch
-
-
-def release_outputs(wheel):
-    module = prepare(load_from_wheel(wheel, RELATIVE, stubs()))
-    return rank_outputs(KIND, module, CASE["lengths"], CASE["world_size"], OPTION)
-
-
-def problems(outputs):
-    want = truth(KIND, CASE["lengths"], CASE["world_size"], OPTION)
-    return [message for _, message in level_problems(outputs, want, CASE["lengths"])]
-"""
+    rank_outputs, truth, level_problems, wheel_outputs, case_problems,
+)  # fmt: skip
+ENTRY = checked.entry_points("wheel_outputs(wheel, RELATIVE, KIND, CASE, OPTION)",
+                             "case_problems(outputs, KIND, CASE, OPTION)")  # fmt: skip
 
 
 def signature_options(kind: str, module, label: str) -> tuple[dict, dict]:
@@ -331,16 +334,14 @@ class OpenRLHFChecked(Checked):
             raise UpstreamUnavailable(f"{self.label} has no {part} to break")
         function, line, changed = CONTROL[self.kind, part]
         broken = layouts.mutated_copy(self.module, CHAIN, function, line, changed, self.label)
-        return OpenRLHFChecked(
-            self.library, self.version, self.name, self.distribution, self.file, self.drawn,
-            self.skipped, self.notes, kind=self.kind, module=broken, inverse_name=self.inverse_name,
-        )  # fmt: skip
+        return dataclasses.replace(self, module=broken)
 
     def reproducer(self, finding: Finding) -> str:
         option = self.option(dict(finding.options))[1]
-        head = f"RELATIVE = {self.file!r}\nKIND = {self.kind!r}\nOPTION = {option!r}"
+        constants = {"RELATIVE": self.file, "KIND": self.kind, "OPTION": option}
+        body = checked.script_body(SHIPPED, constants, imports=("torch",), entry=ENTRY)
         title = f"{self.label}: every rank of one batch, against the contiguous layout"
-        return self.reproducer_script(title, finding, f"{head}\n\n{SHARED}\n{BODY}")
+        return self.reproducer_script(title, finding, body)
 
     def truth_outputs(self, finding: Finding) -> dict:
         """The right outputs, stated again in torch: the stream chunked W ways."""

@@ -18,6 +18,7 @@ from recipe.checks.upstream.libraries.areal.shipped_run import (
     shards_and_stream,
     split_on_rank,
     split_outputs,
+    wheel_outputs,
 )
 from recipe.parallel.cp.contract import unique_sequences
 
@@ -215,6 +216,11 @@ def postprocess_problems(outputs, case, options):
     return problems
 
 
+def problem_texts(found):
+    """What a reproducer prints: the text of each (impact, what) problem."""
+    return [what for _impact, what in found]
+
+
 SHIPPED = (
     engine_statements,
     run_statements,
@@ -234,4 +240,6 @@ SHIPPED = (
     _compare,
     reassembly_problems,
     postprocess_problems,
+    wheel_outputs,
+    problem_texts,
 )

@@ -7,6 +7,7 @@ here is self-contained (imports inside, no module globals but the shipped ones).
 from __future__ import annotations
 
 from recipe.parallel.cp.contract import unique_sequences
+from recipe.upstream.prelude import load_from_wheel, release_text
 from recipe.upstream.releases import ParallelStateStandIn
 
 # ---- shipped into reproducers: self-contained (imports inside, no module globals) ----------
@@ -280,3 +281,10 @@ def postprocess_outputs(modules, statements, case, options):
     except Exception as err:  # noqa: BLE001 (as above)
         return {"error": f"rank {len(ranks)} raises {type(err).__name__}: {err}"}
     return {"error": None, "cu": [int(c) for c in padded_mb["cu_seqlens"]], "ranks": ranks}
+
+
+def wheel_outputs(wheel, engine_file, run, case, options):
+    """A reproducer's `run` (split_outputs, reassembly_outputs or postprocess_outputs) on the
+    release in `wheel`: its files loaded, the engine's statements read from `engine_file`."""
+    modules = load_modules(lambda relative, stubs: load_from_wheel(wheel, relative, stubs))
+    return run(modules, engine_statements(release_text(wheel, engine_file)), case, options)

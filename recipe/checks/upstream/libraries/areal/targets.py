@@ -4,7 +4,6 @@ tensor); their negative controls (one line of the release's source slipped) and 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +17,9 @@ from recipe.checks.upstream.kit.checked import (
     CheckTarget,
     ContractChecked,
     Finding,
+    entry_points,
     function_line,
+    script_body,
 )
 from recipe.checks.upstream.libraries.areal.release import (
     ENGINE,
@@ -191,18 +192,10 @@ class _ArealChecked:
         )
 
     def _reproducer(self, finding: Finding, outputs: str, problems: str) -> str:
-        body = "\n\n".join(inspect.getsource(f) for f in SHIPPED)
-        body += f"""
-
-def release_outputs(wheel):
-    modules = load_modules(lambda relative, stubs: load_from_wheel(wheel, relative, stubs))
-    engine = release_text(wheel, {ENGINE!r})
-    return {outputs}(modules, engine_statements(engine), CASE, OPTIONS)
-
-
-def problems(outputs):
-    return [what for _impact, what in {problems}]
-"""
+        entry = entry_points(
+            f"wheel_outputs(wheel, ENGINE, {outputs}, CASE, OPTIONS)", f"problem_texts({problems})"
+        )
+        body = script_body(SHIPPED, {"ENGINE": ENGINE}, entry=entry)
         title = (
             f"{self.library}@{self.version} {self.name} ({self.file}:{self.line}), run as "
             "AReaL's Megatron engine runs it"

@@ -1,17 +1,16 @@
 """The code ColossalAI's reproducers ship, as real code: `reproducer_body` copies the functions
 below into the standalone script by `inspect.getsource` (after the prelude, which provides
 `load_from_wheel`), with the constants they read written out, then `kit.layouts.REFERENCE` (its
-`_sequences` and the zigzag `problems`) and a few lines of glue. The checker calls the same
-`Dist`, `rank_outputs`, `rows_truth` and `row_problems` (`__init__.py`), so a script calls and
-judges the release exactly as the checker did. Shipped code is self-contained: torch is imported
-inside, and the case's tokens come in as an argument.
+`reference_sequences` and the zigzag `reference_problems`) and the entry points. The checker
+calls the same `Dist`, `rank_outputs`, `rows_truth` and `row_problems` (`__init__.py`), so a
+script calls and judges the release exactly as the checker did. Shipped code is self-contained:
+torch is imported inside, and the case's tokens come in as an argument.
 """
 
 from __future__ import annotations
 
-import inspect
-
 from recipe.checks.upstream.kit import layouts
+from recipe.checks.upstream.kit.checked import entry_points, script_body
 from recipe.upstream.prelude import load_from_wheel
 
 UTILS, ATTN = "colossalai/shardformer/layer/utils.py", "colossalai/shardformer/layer/attn.py"
@@ -175,24 +174,16 @@ SHIPPED = (
     rank_row_problems,
 )
 
-# The script's entry points, after the reference (whose `problems` the second one extends).
-GLUE = """
-def release_outputs(wheel):
-    return released_outputs(wheel, KIND, CASE, OPTIONS, _sequences(CASE["lengths"]))
-
-
-_layout_problems = problems  # the zigzag reference's, above
-
-
-def problems(outputs):
-    return _layout_problems(outputs) + rank_row_problems(outputs, CASE)
-"""
+# The script's entry points: the release on the reference's tokens, judged by the zigzag
+# reference and, row by row, by the truth of the caller's rows.
+ENTRY = entry_points(
+    'released_outputs(wheel, KIND, CASE, OPTIONS, reference_sequences(CASE["lengths"]))',
+    "reference_problems(outputs) + rank_row_problems(outputs, CASE)",
+)
 
 
 def reproducer_body(kind: str) -> str:
     """The reproducer's body after the prelude and the case: the constants, the shipped code,
-    the reference and the glue."""
+    the reference and the entry points."""
     constants = {"KIND": kind, "UTILS": UTILS, "ATTN": ATTN, "STUBS": STUBS, "PACKAGE": PACKAGE}
-    values = "".join(f"{name} = {value!r}\n" for name, value in constants.items())
-    sources = "\n\n\n".join(inspect.getsource(part).strip() for part in SHIPPED)
-    return f"{values}\n\n{sources}\n\n\n{layouts.REFERENCE}\n\n{GLUE}"
+    return script_body(SHIPPED, constants, after=layouts.REFERENCE, entry=ENTRY)

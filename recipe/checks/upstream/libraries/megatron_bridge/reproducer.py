@@ -1,22 +1,22 @@
 """The Megatron-Bridge reproducers, as real code: `reproducer_body` writes the script's body from
 the sources (`inspect.getsource`) of `kit.layouts.GroupStandIn`, the shared parts
-(`shipped.py`), the functions below and, last, `kit.layouts.REFERENCE` (the ground truth's
-`problems`); the prelude (`load_from_wheel`, `main`) and the case (CASE, OPTIONS) come
+(`shipped.py`), the functions below and `kit.layouts.REFERENCE` (the ground truth's
+`reference_problems`); the prelude (`load_from_wheel`, `main`) and the case (CASE, OPTIONS) come
 before it (`reproducer_source`). Each target has its own `*_release_outputs(wheel)`, which the
-script also names `release_outputs`, the name the prelude's `main` calls.
+script's entry point `release_outputs`, the name the prelude's `main` calls, calls.
 
 The functions name the script's globals: CASE and OPTIONS (defined below only so that they are
 module globals here too), the file constants `reproducer_body` writes, the shipped parts, the
-prelude's `load_from_wheel` and `ParallelStateStandIn`, and REFERENCE's `_sequences`
-(`kit/reference.py`; here `contract.unique_sequences`, the same rule).
+prelude's `load_from_wheel` and `ParallelStateStandIn`, and REFERENCE's `reference_sequences`
+(`kit/reference.py`).
 """
 
 from __future__ import annotations
 
-import inspect
-
 from recipe.checks.upstream.kit import layouts
+from recipe.checks.upstream.kit.checked import entry_points, script_body
 from recipe.checks.upstream.kit.layouts import GroupStandIn
+from recipe.checks.upstream.kit.reference import reference_sequences
 from recipe.checks.upstream.libraries.megatron_bridge.shipped import (
     COMMON_UTILS,
     DSV4_STEP,
@@ -34,7 +34,6 @@ from recipe.checks.upstream.libraries.megatron_bridge.shipped import (
     slice_batch_stubs,
     split_fields,
 )
-from recipe.parallel.cp.contract import unique_sequences as _sequences
 from recipe.upstream.prelude import load_from_wheel
 from recipe.upstream.releases import ParallelStateStandIn
 
@@ -88,7 +87,7 @@ def gpt_step_release_outputs(wheel):
     lengths, cp, tp = CASE["lengths"], CASE["cp"], CASE["tp"]
 
     def split_rank(rank):
-        batch, cu = packed_batch(_sequences(lengths), cp, tp, **OPTIONS)
+        batch, cu = packed_batch(reference_sequences(lengths), cp, tp, **OPTIONS)
         out = module._partition_packed_batch_for_cp(batch, GroupStandIn(cp, rank))
         return split_fields(out["tokens"], out["labels"], out["loss_mask"],
                             out["position_ids"]), cu  # fmt: skip
@@ -109,7 +108,7 @@ def slice_batch_release_outputs(wheel):
     lengths, cp, tp = CASE["lengths"], CASE["cp"], CASE["tp"]
 
     def split_rank(rank):
-        batch, cu = packed_batch(_sequences(lengths), cp, tp, "in_batch")
+        batch, cu = packed_batch(reference_sequences(lengths), cp, tp, "in_batch")
         keys = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
                 "max_seqlen_q", "max_seqlen_kv")  # fmt: skip
         params = psu.get_packed_seq_params({k: batch[k] for k in keys})
@@ -135,7 +134,7 @@ def kimi_release_outputs(wheel):
     split = module._split_on_cp_rank
 
     def split_rank(rank):
-        batch, cu = packed_batch(_sequences(lengths), cp, tp, "in_batch")
+        batch, cu = packed_batch(reference_sequences(lengths), cp, tp, "in_batch")
         embeds = batch["tokens"].to(torch.float64).transpose(0, 1)[:, :, None]
         return split_fields(
             split(embeds, cp, rank, seq_dim=0)[:, 0, 0],
@@ -154,7 +153,7 @@ def contiguous_release_outputs(wheel):
     lengths, cp, tp = CASE["lengths"], CASE["cp"], CASE["tp"]
 
     def split_rank(rank):
-        batch, cu = packed_batch(_sequences(lengths), cp, tp, **OPTIONS)
+        batch, cu = packed_batch(reference_sequences(lengths), cp, tp, **OPTIONS)
         module.parallel_state = ParallelStateStandIn(cp, rank, tp)
         out = module._partition_packed_batch_contiguous(batch, cp)
         return split_fields(out["tokens"], out["labels"], out["loss_mask"],
@@ -166,12 +165,11 @@ def contiguous_release_outputs(wheel):
 
 def reproducer_body(release_outputs, *parts) -> str:
     """A reproducer's body: the constants, the shared parts, `parts` (what `release_outputs`
-    needs besides), `release_outputs` under its own name and as `release_outputs`, and the
-    ground truth's `problems`."""
+    needs besides), `release_outputs`, the layout reference, and the entry points (the release
+    run by `release_outputs`, judged by the reference's `reference_problems`)."""
     shared = (GroupStandIn, TransformerEngineStandIn, TorchWithGroups, megatron_cp_split,
               packed_batch, split_fields, reproducer_outputs, released_packed_seq_utils,
               every_rank)  # fmt: skip
-    header = "\n".join(f"{name} = {value!r}" for name, value in CONSTANTS.items())
-    sources = [inspect.getsource(part).strip() for part in (*shared, *parts, release_outputs)]
-    alias = f"release_outputs = {release_outputs.__name__}"
-    return "\n\n\n".join([header, *sources, alias, layouts.REFERENCE.strip()]) + "\n"
+    entry = entry_points(f"{release_outputs.__name__}(wheel)", "reference_problems(outputs)")
+    parts = (*shared, *parts, release_outputs)
+    return script_body(parts, CONSTANTS, after=layouts.REFERENCE, entry=entry)

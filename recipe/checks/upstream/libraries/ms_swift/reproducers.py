@@ -11,18 +11,17 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.util
-import inspect
 import sys
 
 import torch
 
-from recipe.checks.upstream.kit.checked import entry_points
+from recipe.checks.upstream.kit.checked import entry_points, script_body
 from recipe.parallel.cp.contract import unique_sequences
 from recipe.upstream.prelude import Placeholder, load_from_wheel
 from recipe.upstream.releases import ParallelStateStandIn
 
 # The script's own imports: the shipped classes below subclass importlib.abc at definition time.
-SCRIPT_IMPORTS = "import contextlib\nimport importlib.abc\nimport os\n\nimport torch\n"
+SCRIPT_IMPORTS = ("contextlib", "importlib.abc", "os", "torch")
 
 
 class PackedSeqParams:
@@ -221,9 +220,7 @@ SPLIT_TRUTH = (expected_slots, split_problems)
 def script(parts: tuple, constants: dict, entry: str) -> str:
     """The body of a reproducer: the imports, `parts`' sources, `constants` and the entry
     functions (`release_outputs`, `problems`) calling the parts with CASE and OPTIONS."""
-    sources = "\n\n\n".join(inspect.getsource(part).strip() for part in parts)
-    values = "".join(f"{name} = {value!r}\n" for name, value in constants.items())
-    return f"{SCRIPT_IMPORTS}\n\n{sources}\n\n\n{values}\n\n{entry.strip()}\n"
+    return script_body(parts, constants, imports=SCRIPT_IMPORTS, entry=entry)
 
 
 def split_body(defaults: dict) -> str:

@@ -4,9 +4,6 @@ their options (drawn, fixed, or a refusal), their negative controls and their re
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-import sys
 import types
 from dataclasses import dataclass, field
 
@@ -31,7 +28,7 @@ from recipe.checks.upstream.libraries.nemo_automodel.packer_truth import (
 )
 from recipe.checks.upstream.libraries.nemo_automodel.reproducer import mtp_script, packer_script
 from recipe.upstream.releases import partition_options
-from recipe.upstream.source import UpstreamUnavailable, source_file
+from recipe.upstream.source import UpstreamUnavailable, load_module, source_file
 
 DISTRIBUTION = "nemo-automodel"
 PACKER_FILE = "nemo_automodel/components/datasets/llm/packed_sequence.py"
@@ -78,26 +75,6 @@ def check_signature(function, label: str, fixed: dict, drawn: dict) -> None:
     """Every option of the signature is fixed or drawn; another one refuses the check (it may
     change the layout)."""
     partition_options(function, label, __name__, fixed, drawn)
-
-
-def load_registered(path, name: str) -> types.ModuleType:
-    """Execute the file at `path` as module `name`, registered in sys.modules (`source.load_module`
-    does not register it, and the MTP file's frozen dataclass, under `from __future__ import
-    annotations`, looks its module up there while the class is made)."""
-    loader = importlib.machinery.SourceFileLoader(name, str(path))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
-    sys.modules[name] = module
-    try:
-        loader.exec_module(module)
-    except ImportError as err:
-        sys.modules.pop(name, None)
-        raise UpstreamUnavailable(
-            f"{path.name} needs {err.name or err} to load ({err}); install it in this environment"
-        ) from None
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
 
 
 def _lengths(draw, unit: int, min_length: int, max_sequences: int = 12, max_length: int = 400):
@@ -241,7 +218,7 @@ class _Target(CheckTarget):
     def load(self, library: str, distribution: str, version: str | None) -> Checked:
         path, version = source_file(distribution, version, self.file)
         tag = f"{library}_{version}_{self.name}".replace(".", "_").replace("-", "_")
-        module = load_registered(path, f"recipe_upstream_{tag}")
+        module = load_module(path, f"recipe_upstream_{tag}", {})
         function = getattr(module, self.name, None)
         if not callable(function):
             raise UpstreamUnavailable(f"{library}@{version} has no {self.name} in {self.file}")

@@ -1,16 +1,18 @@
 """The reproducer of a finding on verl's BSHD engine path, as real code: `reproducer_body`
-writes the release's file and stubs, then ships `Collectives` and `bshd_outputs` into the
-standalone script by `inspect.getsource`, then a few lines of glue (`release_outputs`) and
-`kit.layouts.REFERENCE` (its `_sequences`, `_values` and the ground truth's `problems`). The kit's
-prelude before it provides `load_from_wheel` and `ParallelStateStandIn`. Shipped code is
-self-contained: torch is imported inside, and the case's tokens and values come in as arguments.
+writes the release's file and stubs, then ships `Collectives`, `bshd_outputs` and `wheel_outputs`
+into the standalone script by `inspect.getsource`, then `kit.layouts.REFERENCE` (its
+`reference_sequences`, `reference_values` and the ground truth's `reference_problems`) and the
+entry points. The kit's prelude before it provides `load_from_wheel` and `ParallelStateStandIn`.
+Shipped code is self-contained: torch is imported inside, and the case's tokens and values come
+in as arguments.
 """
 
 from __future__ import annotations
 
-import inspect
-
 from recipe.checks.upstream.kit import layouts
+from recipe.checks.upstream.kit.checked import entry_points, script_body
+from recipe.checks.upstream.kit.reference import reference_sequences, reference_values
+from recipe.upstream.prelude import load_from_wheel
 from recipe.upstream.releases import ParallelStateStandIn
 
 
@@ -91,18 +93,22 @@ def bshd_outputs(module, case, options, sequences, values):
     return out
 
 
-# The script's entry: load the release's file, then run it on the reference's tokens and values.
-GLUE = """
-def release_outputs(wheel):
-    module = load_from_wheel(wheel, FILE, STUBS)
-    lengths, width = CASE["lengths"], OPTIONS.get("output_width")
-    return bshd_outputs(module, CASE, OPTIONS, _sequences(lengths), _values(lengths, width))
-"""
+def wheel_outputs(wheel, file, stubs, case, options):
+    """The release's file loaded from `wheel`, run on the reference's tokens and values."""
+    module = load_from_wheel(wheel, file, stubs)
+    lengths, width = case["lengths"], options.get("output_width")
+    return bshd_outputs(module, case, options, reference_sequences(lengths),
+                        reference_values(lengths, width))  # fmt: skip
 
 
 def reproducer_body(file: str, stubs: dict) -> str:
     """The reproducer's body after the prelude and the case: the release's file and stubs, the
-    shipped code, the glue and the reference (which defines `problems`)."""
-    sources = "\n\n\n".join(inspect.getsource(part).strip() for part in (Collectives, bshd_outputs))
-    constants = f"FILE = {file!r}\nSTUBS = {stubs!r}\n"
-    return f"{constants}\n\n{sources}\n\n{GLUE}\n{layouts.REFERENCE}"
+    shipped code, the reference and the entry points."""
+    return script_body(
+        (Collectives, bshd_outputs, wheel_outputs),
+        {"FILE": file, "STUBS": stubs},
+        after=layouts.REFERENCE,
+        entry=entry_points(
+            "wheel_outputs(wheel, FILE, STUBS, CASE, OPTIONS)", "reference_problems(outputs)"
+        ),
+    )

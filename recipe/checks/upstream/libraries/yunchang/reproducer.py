@@ -3,9 +3,7 @@
 like the rest), then the case's constants and two lines of glue.
 """
 
-import inspect
-
-from recipe.checks.upstream.kit.checked import entry_points
+from recipe.checks.upstream.kit.checked import entry_points, script_body
 from recipe.checks.upstream.libraries.yunchang.ranks import (
     DistOfRank,
     Group,
@@ -60,7 +58,7 @@ SCRIPT_PARTS = (
 )
 
 # The script's own imports (the prelude imports neither).
-SCRIPT_IMPORTS = "import math\n\nimport torch\n"
+SCRIPT_IMPORTS = ("math", "torch")
 
 # The glue: the entry points a reproducer defines, calling the shipped parts on its constants.
 ENTRY = entry_points(
@@ -72,12 +70,10 @@ ENTRY = entry_points(
 def script(layout: str, function: str, globals_file: str, extract_file: str) -> str:
     """The body of a reproducer of `function` (laying out `layout`): the imports, the shipped
     parts' sources, the constants the glue reads and the glue."""
-    sources = "\n\n\n".join(inspect.getsource(part).strip() for part in SCRIPT_PARTS)
     constants = {
         "LAYOUT": layout,
         "FUNCTION": function,
         "GLOBALS_FILE": globals_file,
         "EXTRACT_FILE": extract_file,
     }
-    values = "".join(f"{name} = {value!r}\n" for name, value in constants.items())
-    return f"{SCRIPT_IMPORTS}\n\n{sources}\n\n\n{values}\n\n{ENTRY.strip()}\n"
+    return script_body(SCRIPT_PARTS, constants, imports=SCRIPT_IMPORTS, entry=ENTRY)
