@@ -43,6 +43,7 @@ from tests.helpers.cli import (
     wait_for_steps,
 )
 from tests.helpers.config import typed_config
+from tests.helpers.training import without_timings
 
 # 24 steps, a checkpoint every 8 (all kept), MTP on: the tiny run takes about 0.1 s a step, so a
 # test that waits for step 10 and kills finds the job between two checkpoints.
@@ -52,13 +53,7 @@ RUN = [
     "trainer.checkpoint_keep=3",
     "mtp=on",
 ]
-TIMING = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu")
 RTOL = 1e-5  # compare.rtol's default: the parity tolerance for fp32 on CPU
-
-
-def _curve(records: list[dict]) -> list[dict]:
-    """Every logged value except wall-clock timings."""
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
 
 
 def _train(run_dir: Path, *args: str) -> list[dict]:
@@ -120,7 +115,7 @@ def test_a_killed_run_resumes_bit_for_bit(layout, tmp_path, reference_cp1, refer
     assert len(lines) > 24, "the killed run's lines are kept, not truncated"
     (marker,) = [json.loads(line)["resumed"] for line in lines if '"resumed"' in line]
     assert marker["from_step"] in (8, 16) and marker["from_step"] <= killed_at
-    assert _curve(read_metrics(run_dir)) == _curve(read_metrics(reference))
+    assert without_timings(read_metrics(run_dir)) == without_timings(read_metrics(reference))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 24
 
@@ -136,7 +131,8 @@ def test_a_cp2_checkpoint_resumes_at_cp1_within_the_parity_tolerance(
     assert result.passed, [(d.metric, d.max_rel) for d in result.diffs]
     assert result.steps_compared == 24
     cp2_head = read_metrics(reference_cp2)[:8]
-    assert _curve(read_metrics(resumed)[:8]) == _curve(cp2_head), "the curve before the resume"
+    before = without_timings(read_metrics(resumed)[:8])
+    assert before == without_timings(cp2_head), "the curve before the resume"
 
 
 @pytest.mark.distributed
@@ -510,7 +506,7 @@ def test_a_failed_metrics_write_leaves_only_whole_lines_and_names_the_file(tmp_p
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
 
 
-def test_a_resumed_run_in_a_new_directory_gets_the_whole_curve(tmp_path):
+def test_a_resumed_run_in_a_new_directory_gets_the_wholewithout_timings(tmp_path):
     history = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}]
     logger = RunLogger(typed_config(), tmp_path, total_steps=4, first_step=2)
     logger.log_resume(2, history, Path("elsewhere/step_00000002"), [], run_id="r1")
@@ -747,7 +743,7 @@ def test_auto_resumes_past_a_truncated_newest_checkpoint_bit_for_bit(tmp_path, r
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (marker,) = [json.loads(line)["resumed"] for line in lines if '"resumed"' in line]
     assert marker["from_step"] == 8
-    assert _curve(read_metrics(run)) == _curve(read_metrics(reference_cp1))
+    assert without_timings(read_metrics(run)) == without_timings(read_metrics(reference_cp1))
 
 
 def test_one_line_says_where_training_starts():
@@ -838,7 +834,7 @@ def test_rewinding_starts_a_new_timeline_that_auto_follows(tmp_path, reference_c
     new_16 = ckpt.resolve_resume("auto", run)
     assert new_16.name == "step_00000016" and ckpt.read_manifest(new_16)["written_at"] != old_16
     train(typed_config([*RUN, "trainer.resume=auto"], output_dir=run))
-    assert _curve(read_metrics(run)) == _curve(read_metrics(reference_cp1))
+    assert without_timings(read_metrics(run)) == without_timings(read_metrics(reference_cp1))
     assert len(list((run / "checkpoints" / SET_ASIDE_DIR).iterdir())) == 1
 
 

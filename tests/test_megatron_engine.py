@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from recipe.errors import ConfigError
 from tests.helpers.config import typed_config
+from tests.helpers.training import without_timings
 
 pytestmark = pytest.mark.stack_dependent
 
@@ -42,19 +43,13 @@ def _steps_and_weights(cfg, patch=None) -> dict:
     `patch(trainer)` changes the trainer before it trains (a negative control) and returns
     what undoes the change."""
     from recipe.checkpoint import full_state
-    from recipe.data.corpus import load_corpus
-    from recipe.megatron.cpu_patches import install_cpu_patches, seed_model_parallel_rng
     from recipe.parallel import collectives, groups
-    from recipe.training.trainer import Trainer
+    from tests.helpers.training import rank_trainer, train_records
 
-    install_cpu_patches()
-    with groups.parallel_world(cfg.parallel_dims, timeout_s=120) as layout:
-        seed_model_parallel_rng(cfg.trainer.seed)
-        corpus = load_corpus(cfg.data, cfg.image_grid)
-        trainer = Trainer(cfg, layout, torch.device("cpu"), corpus)
+    with rank_trainer(cfg) as trainer:
         undo = patch(trainer) if patch is not None else None
         try:
-            records = [trainer.train_step().to_record() for _ in range(cfg.trainer.max_steps)]
+            records = train_records(trainer, cfg.trainer.max_steps)
         finally:
             if undo is not None:
                 undo()  # the rank's process runs the session's later jobs too
@@ -336,14 +331,13 @@ def test_unsupported_engine_settings_are_start_up_errors(overrides, message):
 
 # --- checkpoints --------------------------------------------------------------------------------
 
-TIMING = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu")
 CHECKPOINTED = [*PIPELINE_MODEL, *MEGATRON, "trainer.checkpoint_every=2", "trainer.eval_every=2"]
 
 
 def _curve(run_dir) -> list[dict]:
     from recipe.rundir.metrics import read_metrics
 
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir)]
+    return without_timings(read_metrics(run_dir))
 
 
 def _step2(run_dir) -> str:
@@ -420,10 +414,7 @@ def test_a_skipped_step_leaves_megatrons_weights_and_optimizer_state_untouched(
     """trainer.on_nonfinite=skip_step: the guard judges megatron's gradient norm before the
     update, and a refused step applies nothing (megatron's optimizer.step() is split where its
     own step() splits it). The non-finite norm is injected at step 3."""
-    from recipe.data.corpus import load_corpus
-    from recipe.megatron.cpu_patches import install_cpu_patches, seed_model_parallel_rng
-    from recipe.parallel import groups
-    from recipe.training.trainer import Trainer
+    from tests.helpers.training import rank_trainer
 
     cfg = typed_config(
         [
@@ -433,10 +424,7 @@ def test_a_skipped_step_leaves_megatrons_weights_and_optimizer_state_untouched(
             f"trainer.megatron.use_distributed_optimizer={str(distributed_optimizer).lower()}",
         ]
     )
-    install_cpu_patches()
-    with groups.parallel_world(cfg.parallel_dims) as layout:
-        seed_model_parallel_rng(cfg.trainer.seed)
-        trainer = Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data))
+    with rank_trainer(cfg) as trainer:
         for _ in range(2):
             trainer.train_step()
         measured = trainer.engine.gradient_norm

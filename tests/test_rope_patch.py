@@ -91,29 +91,23 @@ def _steps_on_rank(cfg, patched: bool) -> list[dict]:
     """`cfg.trainer.max_steps` steps on this rank with the vectorised RoPE the model installs,
     or (not patched) with megatron's own unfused THD RoPE; rank 0's records less the timings.
     Leaves megatron's module with the patch, as the model leaves it."""
-    from recipe.data.corpus import load_corpus
-    from recipe.megatron.cpu_patches import install_cpu_patches, seed_model_parallel_rng
+    from recipe.megatron.cpu_patches import install_cpu_patches
     from recipe.model import gpt
-    from recipe.parallel import groups
-    from recipe.training.trainer import Trainer
+    from tests.helpers.training import rank_trainer, train_records, without_timings
 
-    install_cpu_patches()
+    install_cpu_patches()  # before megatron's RoPE is swapped below
     install = gpt.install_thd_rope
     if not patched:
         rope._apply_rotary_pos_emb_thd = megatron_thd_rope()
         gpt.install_thd_rope = lambda: None
     try:
-        with groups.parallel_world(cfg.parallel_dims, timeout_s=120) as layout:
-            seed_model_parallel_rng(cfg.trainer.seed)
-            trainer = Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data))
+        with rank_trainer(cfg) as trainer:
             installed = rope._apply_rotary_pos_emb_thd is vectorised_thd_rope
-            records = [trainer.train_step().to_record() for _ in range(cfg.trainer.max_steps)]
+            records = train_records(trainer, cfg.trainer.max_steps)
     finally:
         gpt.install_thd_rope = install
         install_thd_rope()
-    timing = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu")
-    kept = [{k: v for k, v in r.items() if k not in timing} for r in records]
-    return {"installed": installed, "records": kept}
+    return {"installed": installed, "records": without_timings(records)}
 
 
 @pytest.mark.stack_dependent  # against megatron's own RoPE, of each release

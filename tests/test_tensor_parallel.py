@@ -63,15 +63,10 @@ def _sequence_parallel_facts(cfg) -> dict:
     """On every rank: how many tokens a norm sees under sequence parallelism, and whether the
     norms' gradients agree across tp ranks after the trainer's step (they must: each tp rank
     holds the same parameters)."""
-    from recipe.data.corpus import load_corpus
-    from recipe.megatron.cpu_patches import install_cpu_patches, seed_model_parallel_rng
-    from recipe.parallel import groups
-    from recipe.training.trainer import Trainer
+    from tests.helpers.training import rank_trainer
 
-    install_cpu_patches()
-    with groups.parallel_world(cfg.parallel_dims) as layout:
-        seed_model_parallel_rng(0)
-        return _facts_of_one_step(Trainer(cfg, layout, torch.device("cpu"), load_corpus(cfg.data)))
+    with rank_trainer(cfg, seed=0) as trainer:
+        return _facts_of_one_step(trainer)
 
 
 def _facts_of_one_step(trainer) -> dict:

@@ -27,6 +27,7 @@ from recipe.training.mutants import CATALOGUE
 from recipe.training.trainer import anchor_points
 from tests.helpers.cli import run_train_cli
 from tests.helpers.config import ROOT
+from tests.helpers.training import without_timings
 
 
 def _anchor_side(path: Path, losses: dict[int, list[float]], metrics: dict[int, dict]) -> Run:
@@ -247,9 +248,8 @@ def test_a_bug_that_starts_late_fails_at_an_anchor_however_wide_the_floor(tmp_pa
     assert f"trainer.resume={sweep / '1' / 'checkpoints' / 'step_00000020'}" in overrides
     from recipe.rundir.metrics import read_metrics
 
-    timing = ("step_time_s", "tokens_per_s", "tokens_per_s_per_device", "mfu")
-    first = [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(sweep / "1")]
-    forked = [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(mutant)]
+    first = without_timings(read_metrics(sweep / "1"))
+    forked = without_timings(read_metrics(mutant))
     assert forked[:20] == first[:20] and forked[20] != first[20]
 
     # the negative control: the same run, judged without the baseline's anchors

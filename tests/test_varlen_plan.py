@@ -261,12 +261,9 @@ def _steps_on_rank(cfg, through_plan: bool) -> dict:
     world of one), and leaves the attention module as it found it."""
     import functools
 
-    from recipe.data.corpus import load_corpus
-    from recipe.megatron.cpu_patches import install_cpu_patches, seed_model_parallel_rng
     from recipe.model import attention
     from recipe.model import varlen_plan as plan_module
-    from recipe.parallel import groups
-    from recipe.training.trainer import Trainer
+    from tests.helpers.training import rank_trainer, train_records
 
     calls = []
 
@@ -278,13 +275,9 @@ def _steps_on_rank(cfg, through_plan: bool) -> dict:
     saved = attention.uses_varlen_kernel, plan_module.varlen_kernel
     attention.uses_varlen_kernel = lambda query: through_plan
     plan_module.varlen_kernel = lambda: kernel
-    install_cpu_patches()
     try:
-        with groups.parallel_world(cfg.parallel_dims, timeout_s=120) as layout:
-            seed_model_parallel_rng(cfg.trainer.seed)
-            corpus = load_corpus(cfg.data, cfg.image_grid)
-            trainer = Trainer(cfg, layout, torch.device("cpu"), corpus)
-            records = [trainer.train_step().to_record() for _ in range(cfg.trainer.max_steps)]
+        with rank_trainer(cfg) as trainer:
+            records = train_records(trainer, cfg.trainer.max_steps)
     finally:
         attention.uses_varlen_kernel, plan_module.varlen_kernel = saved
     return {"records": records, "kernel_calls": len(calls)}
