@@ -268,6 +268,35 @@ def test_an_attention_mask_that_leaks_across_sequences_parts_at_core_attention(
     assert "self_attention.linear_qkv | 0 |" in out, "its inputs agree exactly"
 
 
+def test_a_vision_models_mtp_outputs_on_tokens_without_a_target_are_free():
+    """A vision model holds its MTP block under `language_model.`: there too, an MTP layer's
+    outputs on the tokens with no target at its depth (a sequence's last ones) reach no loss, so
+    differing there is no divergence; a token with a target differing is (the control). Measured
+    on `experiment=vision_cp mtp=on`, cp=2 against cp=1: 37 of 2029 tokens of
+    `language_model.mtp.layers.0.enorm` differed (up to 4.65), every one without a target, and
+    were reported as the first divergence before the depth was read under that prefix."""
+    from recipe.compare.diverge import compare_traces, first_divergence
+
+    name = "language_model.mtp.layers.0.enorm"
+
+    def trace(values):
+        module = {
+            "sample": torch.zeros(3, dtype=torch.long),
+            "position": torch.arange(3),
+            "room": torch.tensor([2, 1, 0]),  # tokens left after each in its sequence
+            "values": values,
+        }
+        return {"order": [name], "modules": {name: module}, "grads": {}}
+
+    def parts(values):
+        diffs = compare_traces(trace(values), trace(torch.ones(3, 4)), 1e-4)
+        return first_divergence(diffs, 1e-4, "activation")
+
+    assert parts(torch.ones(3, 4) + torch.tensor([[0.0], [1.0], [1.0]])) is None, "no target"
+    found = parts(torch.ones(3, 4) + torch.tensor([[1.0], [0.0], [0.0]]))
+    assert found is not None and found.name == name and found.tokens_off == 1
+
+
 def test_a_missing_trace_is_a_clear_error(tmp_path, capsys):
     from recipe.compare.diverge import main as diverge
 

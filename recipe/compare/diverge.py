@@ -46,8 +46,9 @@ def mtp_depth(name: str, calls: dict[str, int]) -> int:
     reaching any loss: depth k for MTP layer k-1 (its target is k+1 tokens ahead), and for a
     module the forward pass calls several times (the embedding and output layer that MTP shares;
     the order of the calls differs between megatron releases) the deepest depth among its
-    calls. 0 for the rest of the main model."""
-    match = re.match(r"mtp\.layers\.(\d+)\.", name + ".")
+    calls. 0 for the rest of the main model. A vision model's language model holds the MTP
+    block one level down (`language_model.mtp.layers.K.`): the same depth."""
+    match = re.search(r"(?:^|\.)mtp\.layers\.(\d+)\.", name + ".")
     if match:
         return int(match.group(1)) + 1
     return calls.get(name.split("#")[0], 1) - 1
