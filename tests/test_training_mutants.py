@@ -26,7 +26,7 @@ from recipe.rundir.tokens import read_token_records, write_token_records
 from recipe.training.mutants import CATALOGUE
 from recipe.training.trainer import anchor_points
 from tests.helpers.cli import run_train_cli
-from tests.helpers.config import ROOT
+from tests.helpers.config import ROOT, typed_config
 from tests.helpers.training import without_timings
 
 
@@ -103,6 +103,32 @@ def test_each_sharding_mutant_breaks_the_local_batch_and_keeps_its_shapes(mutant
             assert getattr(broken, name).shape == tensor.shape, name
             changed |= not torch.equal(getattr(broken, name), tensor)
     assert changed, f"{mutant.name} left every rank's micro-batch as it was"
+
+
+GRADIENTS = [m for m in CATALOGUE.values() if m.unreduced is not None]
+
+
+@pytest.mark.parametrize("vision", [False, True], ids=["text", "vision"])
+def test_each_gradients_mutant_leaves_out_parameters_the_model_has(vision):
+    """A `gradients` mutant names parameters; one that names none of the model's trains as the
+    correct path does, a silent no-op. The text model of the catalogue (MTP, learned positions)
+    has them all; a vision model with MTP (its parameters under `language_model.`) has the MTP
+    block and the norms, and no position table (mrope): mtp_grads_not_reduced named none of a
+    vision model's parameters before its test read them under that prefix."""
+    from recipe.megatron.cpu_patches import install_cpu_patches, seed_model_parallel_rng
+    from recipe.parallel import groups
+    from recipe.training.trainer import build_model
+    from tests.test_vision import VISION
+
+    text = ["mtp=on", "model.position_embedding_type=learned_absolute"]
+    cfg = typed_config([*VISION, "mtp=on"] if vision else text)
+    install_cpu_patches()
+    with groups.parallel_world(cfg.parallel_dims):
+        seed_model_parallel_rng(0)
+        names = [name for name, _ in build_model(cfg, 64).named_parameters()]
+    for mutant in GRADIENTS:
+        has_table = not (vision and "position" in mutant.name)
+        assert any(mutant.unreduced(n) for n in names) is has_table, mutant.name
 
 
 def test_a_mutant_outside_the_catalogue_and_anchors_that_overlap_are_refused():

@@ -323,7 +323,8 @@ CATALOGUE: dict[str, Mutant] = {
             "mtp_grads_not_reduced",
             "the MTP block's gradients not reduced over CP",
             "gradients",
-            unreduced=lambda name: name.startswith("mtp."),
+            # a vision model's language model holds it one level down: language_model.mtp.
+            unreduced=lambda name: ".mtp." in f".{name}",
         ),
         Mutant(
             "weights_rounded_to_16_bits",
