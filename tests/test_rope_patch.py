@@ -87,7 +87,7 @@ def test_a_micro_batchs_later_layers_read_nothing_from_the_device(monkeypatch):
         assert torch.equal(vectorised_thd_rope(t, cu, freqs, cp_group=_Group(2, 1)), first)
 
 
-def _steps_on_rank(cfg, patched: bool) -> list[dict]:
+def _steps_on_rank(cfg, patched: bool) -> dict:
     """`cfg.trainer.max_steps` steps on this rank with the vectorised RoPE the model installs,
     or (not patched) with megatron's own unfused THD RoPE; rank 0's records less the timings.
     Leaves megatron's module with the patch, as the model leaves it."""
